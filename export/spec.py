@@ -1,0 +1,141 @@
+"""The model spec file: which base BERT, which AdapterHub adapters, and which target tasks to serve.
+
+YAML or JSON with the same keys; every path is relative to the spec file's folder::
+
+    base_model: base
+    adapters: {alpha: adapters/alpha, beta: adapters/beta}
+    tasks:
+      rte:        {fusion: fusions/rte, head: heads/rte}     # AdapterFusion over adapters + head
+      alpha_only: {adapter: alpha, head: heads/alpha_only}  # one adapter + head
+      head_only:  {head: heads/head_only}                   # frozen BERT + head
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from fusionserve.errors import SpecError
+
+TaskKind = Literal["fusion", "adapter", "head"]
+
+_TOP_KEYS = {"base_model", "adapters", "tasks"}
+_TASK_KEYS = {"fusion", "adapter", "head"}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One served target task. ``fusion`` and ``adapter`` are mutually exclusive; neither means head-only."""
+
+    name: str
+    head: Path
+    fusion: Path | None = None
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fusion is not None and self.adapter is not None:
+            raise SpecError(f"task '{self.name}': give either 'fusion' or 'adapter', not both")
+
+    @property
+    def kind(self) -> TaskKind:
+        if self.fusion is not None:
+            return "fusion"
+        return "adapter" if self.adapter is not None else "head"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed, validated spec. Paths are absolute."""
+
+    path: Path
+    base_model: Path
+    adapters: dict[str, Path]
+    tasks: dict[str, TaskSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise SpecError(f"{self.path}: 'tasks' is empty; a spec serves at least one task")
+        for task in self.tasks.values():
+            if task.adapter is not None and task.adapter not in self.adapters:
+                raise SpecError(
+                    f"{self.path}: task '{task.name}' uses adapter '{task.adapter}', which is not under 'adapters' "
+                    f"(known adapters: {', '.join(sorted(self.adapters)) or 'none'})"
+                )
+
+    def task(self, name: str) -> TaskSpec:
+        """The task called ``name``; raises SpecError naming the known tasks."""
+        if name not in self.tasks:
+            raise SpecError(f"unknown task '{name}'; known tasks: {', '.join(self.tasks)}")
+        return self.tasks[name]
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"spec file not found: {path}") from None
+    except (IsADirectoryError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read spec file {path}: {exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise SpecError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: the spec must be a mapping with keys {sorted(_TOP_KEYS)}, got {type(data).__name__}")
+    return data
+
+
+def _folder(root: Path, value: Any, where: str, spec_path: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{spec_path}: {where} must be a non-empty path string, got {value!r}")
+    folder = (root / value).resolve()
+    if not folder.is_dir():
+        raise SpecError(f"{spec_path}: {where} = '{value}' is not a folder (looked at {folder})")
+    return folder
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Parse and validate a spec file; raises SpecError naming the file, the key and the value."""
+    spec_path = Path(path).resolve()
+    data = _read_mapping(spec_path)
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise SpecError(f"{spec_path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    for key in ("base_model", "tasks"):
+        if key not in data:
+            raise SpecError(f"{spec_path}: missing required key '{key}'")
+    root = spec_path.parent
+    base = _folder(root, data["base_model"], "base_model", spec_path)
+
+    raw_adapters = data.get("adapters") or {}
+    if not isinstance(raw_adapters, dict):
+        raise SpecError(f"{spec_path}: 'adapters' must map adapter names to folders, got {type(raw_adapters).__name__}")
+    adapters = {str(n): _folder(root, p, f"adapters.{n}", spec_path) for n, p in raw_adapters.items()}
+
+    raw_tasks = data["tasks"]
+    if not isinstance(raw_tasks, dict):
+        raise SpecError(f"{spec_path}: 'tasks' must map task names to settings, got {type(raw_tasks).__name__}")
+    tasks: dict[str, TaskSpec] = {}
+    for name, body in raw_tasks.items():
+        name = str(name)
+        if not isinstance(body, dict):
+            raise SpecError(f"{spec_path}: tasks.{name} must be a mapping with keys {sorted(_TASK_KEYS)}")
+        bad = set(body) - _TASK_KEYS
+        if bad:
+            raise SpecError(f"{spec_path}: tasks.{name} has unknown key(s) {sorted(bad)}; allowed: {sorted(_TASK_KEYS)}")
+        if "head" not in body:
+            raise SpecError(f"{spec_path}: tasks.{name} needs a 'head' folder (saved by AdapterHub save_head)")
+        adapter = body.get("adapter")
+        if adapter is not None and not isinstance(adapter, str):
+            raise SpecError(f"{spec_path}: tasks.{name}.adapter must be an adapter name, got {adapter!r}")
+        tasks[name] = TaskSpec(
+            name=name,
+            head=_folder(root, body["head"], f"tasks.{name}.head", spec_path),
+            fusion=_folder(root, body["fusion"], f"tasks.{name}.fusion", spec_path) if "fusion" in body else None,
+            adapter=adapter,
+        )
+    return ModelSpec(path=spec_path, base_model=base, adapters=adapters, tasks=tasks)

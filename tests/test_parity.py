@@ -1,0 +1,61 @@
+"""fusionserve == AdapterHub on checkpoints AdapterHub saved (both weight formats), every task kind."""
+
+import pytest
+import torch
+
+from fusionserve.export.model import build_model
+from fusionserve.export.spec import load_spec
+from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ours(built):
+    return build_model(load_spec(built.spec))
+
+
+def _batches(tok):
+    yield "single", tok(SENTENCES[:1], return_tensors="pt")
+    yield "padded", tok(SENTENCES, padding=True, return_tensors="pt")
+    yield "pairs", tok([p[0] for p in PAIRS], [p[1] for p in PAIRS], padding=True, return_tensors="pt")
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_logits_match_adapterhub(built, ours, task):
+    for what, batch in _batches(built.tokenizer):
+        ref = built.reference_logits(task, dict(batch))
+        with torch.no_grad():
+            got = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task=task)
+        assert got.shape == ref.shape
+        diff = (got - ref).abs().max().item()
+        assert diff <= TOL, f"{task} {what}: max abs diff {diff:.2e}"
+        # the reference must not be trivially equal for every task: heads and adapters differ
+        assert ref.abs().max() > 1e-3
+
+
+def test_tasks_differ(built, ours):
+    """Guard against a test that cannot fail: adapters and fusion change the logits of a shared head size."""
+    batch = built.tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a = ours(batch["input_ids"], batch["attention_mask"], task="alpha_only")
+        h = ours(batch["input_ids"], batch["attention_mask"], task="head_only")
+    assert (a - h).abs().max() > 1e-2
+
+
+def test_fusion_activations_match_adapterhub(built, ours):
+    batch = built.tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    built.reference_logits("rte", dict(batch))  # sets the active setup, T = 1
+    with torch.no_grad():
+        out = built.reference(**batch, output_adapter_fusion_attentions=True)
+        _, acts = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task="rte",
+                            return_fusion_activations=True)  # fmt: skip
+    ref = out.adapter_fusion_attentions["alpha,beta,gamma"]
+    assert acts.shape == (len(SENTENCES), 3, batch["input_ids"].shape[1], 3)
+    for layer, per_loc in ref.items():
+        want = torch.as_tensor(per_loc["output_adapter"])  # (batch, seq, n_present)
+        present = [i for i, n in enumerate(TASKS["rte"][1]) if not (n == "beta" and layer == 1)]
+        got = acts[:, layer][..., present]
+        assert (got - want).abs().max() <= 1e-5, f"layer {layer}"
+    assert torch.all(acts[:, 1, :, 1] == 0)  # beta left out of layer 1
+    torch.testing.assert_close(acts.sum(-1), torch.ones_like(acts.sum(-1)))
