@@ -157,3 +157,10 @@ SENTENCES = [
     "the dog is good and the film is great and the plot is not boring",
 ]
 PAIRS = [("the cat sat", "the dog sat on the mat"), ("great movie", "it is not very fun"), ("a", "the plot")]
+
+
+if __name__ == "__main__":  # python -m tests.adapterhub_models DIR: a tiny random demo model, for trying the CLI
+    import sys
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "demo-model")
+    print(build(out, safetensors=True).spec)

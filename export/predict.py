@@ -1,0 +1,60 @@
+"""Run the PyTorch model of a spec on texts: the reference runner the ONNX artifact is checked against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from fusionserve.errors import CheckpointError, SpecError
+from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.tokenize import Encoder
+
+from .model import FusionBertModel, build_model
+from .spec import ModelSpec, load_spec
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """The base model folder's fast tokenizer; raises CheckpointError when the folder has none."""
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), use_fast=True)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: cannot load the tokenizer (vocab.txt or tokenizer.json): {exc}") from None
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise CheckpointError(f"{folder}: no fast tokenizer could be built from the tokenizer files")
+    return tok
+
+
+def max_length(tok: PreTrainedTokenizerFast, model: FusionBertModel) -> int:
+    """Token limit: the tokenizer's, capped by the model's position embeddings."""
+    limit = int(model.bert.config.max_position_embeddings)
+    tok_limit = tok.model_max_length if isinstance(tok.model_max_length, int) else limit
+    return min(limit, tok_limit)
+
+
+class TorchRunner:
+    """Texts -> logits with the folded PyTorch model (see ``serving.predictions.Runner``)."""
+
+    def __init__(self, spec: ModelSpec | str | Path) -> None:
+        self.spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)
+        self.model = build_model(self.spec)
+        self.tokenizer = load_tokenizer(self.spec.base_model)
+        self.encoder = Encoder(
+            self.tokenizer.backend_tokenizer, max_length(self.tokenizer, self.model), str(self.tokenizer.pad_token)
+        )
+
+    @property
+    def labels(self) -> dict[str, tuple[str, ...]]:
+        return {name: info.labels for name, info in self.model.task_infos.items()}
+
+    def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
+        if task not in self.model.tasks:
+            raise SpecError(f"unknown task '{task}'; known tasks: {', '.join(self.model.tasks)}")
+        enc = self.encoder.encode(inputs)
+        ids, mask, types = (torch.from_numpy(t) for t in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
+        with torch.inference_mode():
+            out = self.model(ids, mask, types, task=task)
+        return out.numpy(), enc.truncated

@@ -1,0 +1,106 @@
+"""What ``fusionserve inspect`` reports about a spec: tasks, labels, adapters per layer, parameter counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .checkpoint import load_adapter, load_fusion
+from .fusion import FoldedFusionBlock
+from .model import FusionBertModel, TaskModule
+from .spec import ModelSpec
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in module.buffers(recurse=True))
+
+
+def summarize(spec: ModelSpec, model: FusionBertModel) -> dict[str, Any]:
+    """A JSON-ready description of the model. Fusion parameters are given as saved (Q, K, V per layer) and as
+    served (folded matrices, see fusion.py)."""
+    cfg = model.bert.config
+    adapters: dict[str, Any] = {}
+    for name, folder in spec.adapters.items():
+        ckpt = load_adapter(folder)
+        adapters[name] = {
+            "folder": str(folder),
+            "non_linearity": ckpt.non_linearity,
+            "bottleneck_per_layer": {i: int(lay.down_w.shape[0]) for i, lay in sorted(ckpt.layers.items())},
+            "parameters": sum(t.numel() for lay in ckpt.layers.values() for t in vars(lay).values()),
+        }
+    tasks: dict[str, Any] = {}
+    totals = {
+        "backbone": sum(p.numel() for p in model.bert.parameters()),
+        "adapters": 0,
+        "fusion_saved": 0,
+        "fusion_served": 0,
+        "heads": 0,
+    }
+    totals["adapters"] = sum(a["parameters"] for a in adapters.values())
+    for name, t in spec.tasks.items():
+        mod: TaskModule = model.tasks[name]  # type: ignore[assignment]
+        info = mod.info
+        entry: dict[str, Any] = {"kind": info.kind, "labels": list(info.labels), "adapters": list(info.adapters)}
+        entry["adapters_per_layer"] = [list(layer) for layer in info.adapters_per_layer]
+        entry["head_parameters"] = _numel(mod.head)
+        totals["heads"] += entry["head_parameters"]
+        if t.fusion is not None:
+            fusion = load_fusion(t.fusion)
+            saved = sum(x.numel() for lay in fusion.layers.values() for x in vars(lay).values() if x is not None)
+            served = sum(_numel(b) for b in mod.blocks if isinstance(b, FoldedFusionBlock))
+            entry["fusion_parameters"] = {"saved": saved, "served_folded": served}
+            totals["fusion_saved"] += saved
+            totals["fusion_served"] += served
+        tasks[name] = entry
+    return {
+        "spec": str(spec.path),
+        "base_model": {
+            "folder": str(spec.base_model),
+            "layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "attention_heads": cfg.num_attention_heads,
+            "max_position_embeddings": cfg.max_position_embeddings,
+        },
+        "adapters": adapters,
+        "tasks": tasks,
+        "parameters": totals,
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The summary as aligned text for a terminal."""
+    b = summary["base_model"]
+    lines = [
+        f"spec        {summary['spec']}",
+        f"base model  {b['folder']}",
+        f"            {b['layers']} layers, hidden {b['hidden_size']}, {b['attention_heads']} heads, max {b['max_position_embeddings']} positions",
+        "",
+        "adapters",
+    ]
+    n_layers = b["layers"]
+    for name, a in summary["adapters"].items():
+        sizes = a["bottleneck_per_layer"]
+        per_layer = " ".join(str(sizes.get(i, "-")) for i in range(n_layers))
+        lines.append(f"  {name:<16} bottleneck per layer [{per_layer}]  {a['non_linearity']}  {a['parameters']:,} params")
+    lines += ["", "tasks"]
+    for name, t in summary["tasks"].items():
+        what = {
+            "fusion": f"fusion over {', '.join(t['adapters'])}",
+            "adapter": f"adapter {t['adapters'][0]}" if t["adapters"] else "",
+            "head": "head only",
+        }[t["kind"]]
+        lines.append(f"  {name:<16} {what}")
+        lines.append(f"  {'':<16} labels: {', '.join(t['labels'])}")
+        if t["kind"] == "fusion":
+            layers = "  ".join(f"L{i}:{'+'.join(a) if a else '-'}" for i, a in enumerate(t["adapters_per_layer"]))
+            fp = t["fusion_parameters"]
+            lines.append(f"  {'':<16} per layer: {layers}")
+            lines.append(f"  {'':<16} fusion params: {fp['saved']:,} saved, {fp['served_folded']:,} served (folded)")
+    p = summary["parameters"]
+    lines += [
+        "",
+        "parameters",
+        f"  backbone {p['backbone']:,}  adapters {p['adapters']:,}  fusion {p['fusion_saved']:,} saved / {p['fusion_served']:,} folded  heads {p['heads']:,}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""The ``fusionserve`` command. Each subcommand parses its options and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from fusionserve import __version__
+from fusionserve.errors import FusionServeError, InputError
+
+from .predictions import Runner, TextInput, format_predictions, read_jsonl
+
+
+def _open_runner(model: str) -> Runner:
+    path = Path(model)
+    if path.is_dir():
+        raise InputError(f"{model} is a folder; give a spec file (.yaml/.yml/.json)")
+    from fusionserve.export.predict import TorchRunner  # torch only when a spec is given
+
+    return TorchRunner(path)
+
+
+def _batches(
+    items: Iterator[tuple[int, TextInput | InputError]], size: int
+) -> Iterator[list[tuple[int, TextInput | InputError]]]:
+    batch: list[tuple[int, TextInput | InputError]] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def predict(
+    model: str,
+    task: str,
+    inputs: Iterator[tuple[int, TextInput | InputError]],
+    out: TextIO,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> tuple[int, int]:
+    """Classify ``inputs`` and write one JSON line per input, in order; a bad input gets an ``error`` line and
+    the rest go on. Returns (predicted, failed). Raises FusionServeError for an unknown task or a bad model."""
+    from tqdm import tqdm
+
+    runner = _open_runner(model)
+    labels = runner.labels
+    if task not in labels:
+        raise InputError(f"unknown task '{task}'; known tasks: {', '.join(labels)}")
+    ok = failed = 0
+    bar = tqdm(desc=f"predict {task}", unit="text", disable=not progress, file=sys.stderr)
+    for batch in _batches(inputs, batch_size):
+        good = [(no, x) for no, x in batch if isinstance(x, TextInput)]
+        rows: dict[int, dict[str, Any]] = {}
+        if good:
+            logits, truncated = runner.logits(task, [x for _, x in good])
+            for (no, _), row in zip(good, format_predictions(labels[task], logits, truncated, [x for _, x in good]), strict=True):
+                rows[no] = row
+        for no, x in batch:
+            if isinstance(x, InputError):
+                rows[no] = {"line": no, "error": str(x)}
+                bar.write(f"line {no}: {x}", file=sys.stderr)
+                failed += 1
+            else:
+                ok += 1
+            out.write(json.dumps(rows[no], ensure_ascii=False) + "\n")
+        bar.update(len(batch))
+    bar.close()
+    return ok, failed
+
+
+def inspect(model: str, as_json: bool) -> str:
+    """Describe a spec: tasks, labels, adapters per layer, parameter counts."""
+    from fusionserve.export.model import build_model
+    from fusionserve.export.spec import load_spec
+    from fusionserve.export.summary import render, summarize
+
+    spec = load_spec(model)
+    summary = summarize(spec, build_model(spec))
+    return json.dumps(summary, indent=2) if as_json else render(summary)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fusionserve", description="Serve AdapterFusion models trained with AdapterHub.")
+    p.add_argument("--version", action="version", version=f"fusionserve {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pr = sub.add_parser("predict", help="classify texts with a model spec")
+    pr.add_argument("model", help="model spec file (YAML or JSON)")
+    pr.add_argument("--task", required=True, help="target task to run")
+    src = pr.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="one text to classify")
+    src.add_argument("--input", type=Path, help='JSONL file, one {"text": ..., "text_pair": ...} object per line')
+    pr.add_argument("--text-pair", help="second text of a pair (with --text)")
+    pr.add_argument("--output", type=Path, help="write JSONL here instead of standard output")
+    pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+
+    ins = sub.add_parser("inspect", help="describe a model spec: tasks, labels, adapters per layer, parameters")
+    ins.add_argument("model", help="model spec file (YAML or JSON)")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(inspect(args.model, args.json))
+            return 0
+        if args.batch_size < 1:
+            raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+        if args.text_pair is not None and args.text is None:
+            raise InputError("--text-pair needs --text")
+        if args.text is not None:
+            inputs: Iterator[tuple[int, TextInput | InputError]] = iter([(1, TextInput(args.text, args.text_pair))])
+        else:
+            inputs = read_jsonl(args.input)
+        out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
+        try:
+            ok, failed = predict(args.model, args.task, inputs, out, args.batch_size, progress=args.output is not None)
+        finally:
+            if args.output:
+                out.close()
+        if failed:
+            print(f"{failed} of {ok + failed} inputs failed (error lines written in their place)", file=sys.stderr)
+            return 1
+        return 0
+    except FusionServeError as exc:
+        print(f"fusionserve: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

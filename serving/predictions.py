@@ -1,0 +1,97 @@
+"""Inputs and outputs of a classification call, shared by every runner (PyTorch from a spec, ONNX Runtime
+from an artifact) and by the CLI. No torch here: numpy only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from fusionserve.errors import InputError
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """One text to classify, or a pair (encoded as a pair: [CLS] text [SEP] text_pair [SEP])."""
+
+    text: str
+    text_pair: str | None = None
+    id: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise InputError(f"'text' must be a non-empty string, got {self.text!r}")
+        if self.text_pair is not None and (not isinstance(self.text_pair, str) or not self.text_pair.strip()):
+            raise InputError(f"'text_pair' must be a non-empty string or absent, got {self.text_pair!r}")
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TextInput:
+        """From ``{"text": ..., "text_pair": ..., "id": ...}``; raises InputError naming the problem."""
+        if not isinstance(obj, dict):
+            raise InputError(f'expected an object like {{"text": "..."}}, got {type(obj).__name__}')
+        unknown = set(obj) - {"text", "text_pair", "id"}
+        if unknown:
+            raise InputError(f"unknown field(s) {sorted(unknown)}; allowed: text, text_pair, id")
+        if "text" not in obj:
+            raise InputError("missing field 'text'")
+        return cls(obj["text"], obj.get("text_pair"), obj.get("id"))
+
+
+class Runner(Protocol):
+    """Anything that turns texts into logits for a task (PyTorch model, ONNX Runtime session)."""
+
+    @property
+    def labels(self) -> dict[str, tuple[str, ...]]:
+        """Task name -> labels in label-id order."""
+        ...
+
+    def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
+        """(batch, num_labels) float logits and, per input, whether it was truncated to the length limit."""
+        ...
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def format_predictions(
+    labels: Sequence[str], logits: np.ndarray, truncated: Sequence[bool], inputs: Sequence[TextInput]
+) -> list[dict[str, Any]]:
+    """One JSON-ready dict per row: label, scores (label -> probability), logits in label-id order."""
+    if len(logits) != len(inputs):
+        raise RuntimeError(f"runner returned {len(logits)} rows for {len(inputs)} inputs")
+    probs = softmax(logits.astype(np.float64))
+    out = []
+    for row, p, cut, inp in zip(logits, probs, truncated, inputs, strict=True):
+        item: dict[str, Any] = {} if inp.id is None else {"id": inp.id}
+        item["label"] = labels[int(np.argmax(p))]
+        item["scores"] = {lab: round(float(v), 6) for lab, v in zip(labels, p, strict=True)}
+        item["logits"] = [round(float(v), 6) for v in row]
+        if cut:
+            item["truncated"] = True
+        out.append(item)
+    return out
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, TextInput | InputError]]:
+    """(line number, input or the error that line has); blank lines are skipped. Raises InputError if unreadable."""
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"cannot read input file {path}: {exc.strerror}") from None
+    with handle:
+        for no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield no, TextInput.from_json(json.loads(line))
+            except json.JSONDecodeError as exc:
+                yield no, InputError(f"not valid JSON: {exc.msg} (column {exc.colno})")
+            except InputError as exc:
+                yield no, exc

@@ -1,0 +1,70 @@
+"""Texts -> padded id arrays with a fast WordPiece tokenizer (``tokenizers``, no torch, no transformers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from fusionserve.errors import FusionServeError
+
+from .predictions import TextInput
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: np.ndarray  # (batch, seq) int64, padded to the longest input of the batch
+    attention_mask: np.ndarray  # (batch, seq) int64
+    token_type_ids: np.ndarray  # (batch, seq) int64
+    truncated: list[bool]  # per input: cut to max_length
+
+
+class Encoder:
+    """Batch tokenizer: pairs encoded as pairs, ``longest_first`` truncation to ``max_length``, padding to the
+    longest sequence in the batch (not to max_length)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int, pad_token: str = "[PAD]") -> None:
+        if max_length < 3:
+            raise ValueError(f"max_length must be at least 3 ([CLS] x [SEP]), got {max_length}")
+        pad_id = tokenizer.token_to_id(pad_token)
+        if pad_id is None:
+            raise FusionServeError(f"the tokenizer has no pad token {pad_token!r} in its vocabulary")
+        self.max_length = max_length
+        # private copies: the padding/truncation settings are ours, the caller's tokenizer is left as it was
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.no_truncation()
+        self._plain.no_padding()
+        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
+        self._tok.enable_padding(pad_id=pad_id, pad_token=pad_token)  # no length: pad to the batch's longest
+
+    @classmethod
+    def from_file(cls, path: Path, max_length: int, pad_token: str = "[PAD]") -> Encoder:
+        """Load ``tokenizer.json``; raises FusionServeError naming the file when it cannot."""
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception for missing or corrupt files
+            raise FusionServeError(f"cannot load tokenizer {path}: {exc}") from None
+        return cls(tok, max_length, pad_token)
+
+    def count_tokens(self, inputs: Sequence[TextInput]) -> list[int]:
+        """Untruncated length of each input in tokens, special tokens included."""
+        return [len(e.ids) for e in self._plain.encode_batch([_item(i) for i in inputs])]
+
+    def encode(self, inputs: Sequence[TextInput]) -> Encoded:
+        if not inputs:
+            raise ValueError("nothing to encode")
+        encs = self._tok.encode_batch([_item(i) for i in inputs])
+        return Encoded(
+            input_ids=np.asarray([e.ids for e in encs], dtype=np.int64),
+            attention_mask=np.asarray([e.attention_mask for e in encs], dtype=np.int64),
+            token_type_ids=np.asarray([e.type_ids for e in encs], dtype=np.int64),
+            truncated=[len(e.overflowing) > 0 for e in encs],
+        )
+
+
+def _item(i: TextInput) -> str | tuple[str, str]:
+    return i.text if i.text_pair is None else (i.text, i.text_pair)

@@ -1,0 +1,84 @@
+"""`fusionserve predict` and `inspect` end to end, in-process, on a model AdapterHub saved."""
+
+import json
+
+import pytest
+import torch
+
+from fusionserve.serving.cli import main
+from tests.adapterhub_models import PAIRS, SENTENCES
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_predict_text_and_pair_match_adapterhub(built_st, capsys):
+    text, pair = PAIRS[1]
+    code, out, _ = _run(capsys, "predict", built_st.spec, "--task", "rte", "--text", text, "--text-pair", pair)
+    assert code == 0
+    row = json.loads(out)
+    batch = built_st.tokenizer([text], [pair], return_tensors="pt")  # pairs encoded as pairs
+    ref = built_st.reference_logits("rte", dict(batch))[0]
+    assert set(row) == {"label", "scores", "logits"}
+    assert list(row["scores"]) == ["entailment", "neutral", "contradiction"]
+    torch.testing.assert_close(torch.tensor(row["logits"]), ref, atol=1e-4, rtol=0)
+    assert row["label"] == ["entailment", "neutral", "contradiction"][int(ref.argmax())]
+    assert sum(row["scores"].values()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_predict_jsonl_keeps_order_reports_bad_rows_and_goes_on(built_st, capsys, tmp_path):
+    lines = [json.dumps({"text": s, "id": i}) for i, s in enumerate(SENTENCES)]
+    lines.insert(2, '{"text": ""}')
+    lines.insert(4, "{not json")
+    lines.append(json.dumps({"text": PAIRS[0][0], "text_pair": PAIRS[0][1]}))
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    dst = tmp_path / "out.jsonl"
+    code, _, err = _run(
+        capsys, "predict", built_st.spec, "--task", "alpha_only", "--input", src, "--output", dst, "--batch-size", "3"
+    )
+    assert code == 1  # some rows failed, the others were written
+    rows = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert len(rows) == len(lines)
+    assert rows[2] == {"line": 3, "error": "'text' must be a non-empty string, got ''"}
+    assert rows[4]["line"] == 5 and "not valid JSON" in rows[4]["error"]
+    assert "2 of 8 inputs failed" in err
+    good = [r for r in rows if "label" in r]
+    assert [r.get("id") for r in good] == [0, 1, 2, 3, 4, None]
+    # each row equals the reference on that sentence alone: batching and padding change nothing
+    for r, s in zip(good, SENTENCES, strict=False):
+        ref = built_st.reference_logits("alpha_only", dict(built_st.tokenizer([s], return_tensors="pt")))[0]
+        torch.testing.assert_close(torch.tensor(r["logits"]), ref, atol=1e-4, rtol=0)
+
+
+def test_predict_errors_are_clear(built_st, capsys, tmp_path):
+    code, _, err = _run(capsys, "predict", built_st.spec, "--task", "nope", "--text", "hi")
+    assert code == 2 and "unknown task 'nope'; known tasks: rte, nli" in err
+    code, _, err = _run(capsys, "predict", built_st.spec, "--task", "rte", "--text", "  ")
+    assert code == 2 and "'text' must be a non-empty string" in err
+    code, _, err = _run(capsys, "predict", tmp_path / "missing.yaml", "--task", "rte", "--text", "hi")
+    assert code == 2 and "spec file not found" in err
+    code, _, err = _run(capsys, "predict", built_st.spec, "--task", "rte", "--input", tmp_path / "none.jsonl")
+    assert code == 2 and "cannot read input file" in err
+
+
+def test_long_text_is_truncated_and_flagged(built_st, capsys):
+    code, out, _ = _run(capsys, "predict", built_st.spec, "--task", "head_only", "--text", " ".join(["movie"] * 600))
+    assert code == 0
+    assert json.loads(out)["truncated"] is True
+
+
+def test_inspect_text_and_json(built_st, capsys):
+    code, out, _ = _run(capsys, "inspect", built_st.spec)
+    assert code == 0
+    assert "fusion over alpha, beta, gamma" in out and "L1:alpha+gamma" in out
+    code, out, _ = _run(capsys, "inspect", built_st.spec, "--json")
+    info = json.loads(out)
+    assert info["tasks"]["rte"]["adapters_per_layer"][1] == ["alpha", "gamma"]
+    assert info["adapters"]["beta"]["bottleneck_per_layer"] == {"0": 4, "2": 4}
+    assert info["tasks"]["beta_only"]["labels"] == ["x", "y", "z"]
+    p = info["parameters"]
+    assert p["backbone"] > 0 and p["adapters"] == sum(a["parameters"] for a in info["adapters"].values())
