@@ -15,6 +15,7 @@ CheckpointError naming the file, the field and the value.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,9 @@ _FUSION_IGNORED = {"regularization", "value_initialized", "dropout_prob"}
 _HEAD_KNOWN = {"head_type", "num_labels", "layers", "activation_function", "label2id", "use_pooler", "bias", "dropout_prob"}
 
 _ADAPTER_KEY = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.output\.adapters\.(.+)\.adapter_(down\.0|up)\.(weight|bias)$")
-_FUSION_KEY = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.output\.adapter_fusion_layer\.(.+)\.(query|key|value)\.(weight|bias)$")
+_FUSION_KEY = re.compile(
+    r"(?:^|\.)encoder\.layer\.(\d+)\.output\.adapter_fusion_layer\.(.+)\.(query|key|value|dense)\.(weight|bias)$"
+)
 _HEAD_KEY = re.compile(r"^heads\.(.+)\.(\d+)\.(weight|bias)$")
 
 
@@ -74,6 +77,7 @@ class AdapterCheckpoint:
     hidden_size: int
     non_linearity: str
     layers: dict[int, AdapterLayer]  # absent layers (leave_out) are simply not keys
+    leave_out: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -131,17 +135,26 @@ def read_weights(folder: Path, safetensors_name: str, bin_name: str) -> dict[str
             state = torch.load(str(pt), map_location="cpu", weights_only=True)
             if not isinstance(state, dict):
                 raise CheckpointError(f"{pt}: expected a state dict, got {type(state).__name__}")
+            for key, value in state.items():  # weights_only still lets plain Python keys and values through
+                if not isinstance(key, str):
+                    raise CheckpointError(f"{pt}: key {key!r} is a {type(key).__name__}, expected a weight name (string)")
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointError(f"{pt}: entry {key!r} is a {type(value).__name__}, expected a tensor")
             return state
     except CheckpointError:
         raise
-    except Exception as exc:  # corrupt file, refused pickle, truncated safetensors: say which file
+    except pickle.UnpicklingError as exc:
+        # torch's message is long and suggests turning the protection off; keep only the line naming the object
+        why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported" in ln), "not a plain state dict")
+        raise CheckpointError(f"{pt}: refused to load: it holds pickled objects other than tensors ({why})") from None
+    except Exception as exc:  # corrupt file, truncated safetensors: say which file
         raise CheckpointError(f"cannot read weights from {st if st.is_file() else pt}: {exc}") from None
     raise CheckpointError(f"{folder}: no weights; expected {safetensors_name} or {bin_name}")
 
 
 def _hidden_size(data: dict[str, Any], path: Path) -> int:
     hidden = data.get("hidden_size")
-    if not isinstance(hidden, int) or hidden <= 0:
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0:
         raise CheckpointError(f"{path}: field 'hidden_size' must be a positive integer, got {hidden!r}")
     return hidden
 
@@ -183,7 +196,10 @@ def load_adapter(folder: Path) -> AdapterCheckpoint:
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
         raise CheckpointError(f"{cfg_path}: field 'config.scaling' = {scaling!r} is not supported; only a constant number")
     hidden = _hidden_size(data, cfg_path)
-    leave_out = {int(i) for i in cfg.get("leave_out") or []}
+    raw_leave_out = cfg.get("leave_out") or []
+    if not isinstance(raw_leave_out, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw_leave_out):
+        raise CheckpointError(f"{cfg_path}: field 'config.leave_out' = {raw_leave_out!r} must be a list of layer numbers")
+    leave_out = frozenset(raw_leave_out)
 
     weights = read_weights(folder, "adapter.safetensors", "pytorch_adapter.bin")
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -217,7 +233,9 @@ def load_adapter(folder: Path) -> AdapterCheckpoint:
         layers[layer] = lay
     if not layers:
         raise CheckpointError(f"{folder}: the weight file holds no adapter weights")
-    return AdapterCheckpoint(name=str(name), folder=folder, hidden_size=hidden, non_linearity=act, layers=layers)
+    return AdapterCheckpoint(
+        name=str(name), folder=folder, hidden_size=hidden, non_linearity=act, layers=layers, leave_out=leave_out
+    )
 
 
 def load_fusion(folder: Path) -> FusionCheckpoint:
@@ -256,8 +274,11 @@ def load_fusion(folder: Path) -> FusionCheckpoint:
         raise CheckpointError(f"{folder}: the weight file holds no fusion weights")
     wanted = [f"{p}.{k}" for p in ("query", "key") if cfg[p] for k in ("weight", "bias")]
     wanted += ["value.weight"] if cfg["value"] else []
+    unused = {"dense.weight", "dense.bias"} if not (cfg["query"] or cfg["key"] or cfg["value"]) else set()
     layers: dict[int, FusionLayer] = {}
     for layer, got in sorted(raw.items()):
+        for key in unused:  # created but never used by AdapterHub's forward when no flag is on
+            got.pop(key, None)
         extra = set(got) - set(wanted)
         if extra:
             raise CheckpointError(f"{folder}: layer {layer} has weights {sorted(extra)} that the config's flags do not use")
@@ -294,9 +315,9 @@ def load_head(folder: Path) -> HeadCheckpoint:
         raise CheckpointError(f"{cfg_path}: unknown config field(s) {sorted(unknown)}; refusing to guess what they do")
     hidden = _hidden_size(data, cfg_path)
     n_layers, n_labels = cfg.get("layers", 2), cfg.get("num_labels")
-    if not isinstance(n_layers, int) or n_layers < 1:
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
         raise CheckpointError(f"{cfg_path}: field 'config.layers' = {n_layers!r} must be an integer >= 1")
-    if not isinstance(n_labels, int) or n_labels < 1:
+    if not isinstance(n_labels, int) or isinstance(n_labels, bool) or n_labels < 1:
         raise CheckpointError(f"{cfg_path}: field 'config.num_labels' = {n_labels!r} must be an integer >= 1")
     act = cfg.get("activation_function")
     act = str(act).lower() if act else None
@@ -337,7 +358,7 @@ def _labels(label2id: Any, n_labels: int, path: Path) -> tuple[str, ...]:
         return tuple(f"LABEL_{i}" for i in range(n_labels))
     if not isinstance(label2id, dict):
         raise CheckpointError(f"{path}: field 'config.label2id' must map labels to ids, got {type(label2id).__name__}")
-    ids = sorted(label2id.values()) if all(isinstance(v, int) for v in label2id.values()) else None
+    ids = sorted(label2id.values()) if all(type(v) is int for v in label2id.values()) else None
     if ids != list(range(n_labels)):
         raise CheckpointError(
             f"{path}: field 'config.label2id' = {label2id!r} must give each of the {n_labels} label ids 0..{n_labels - 1} once"

@@ -132,6 +132,10 @@ def _check_layers(ckpt: AdapterCheckpoint | FusionCheckpoint, n_layers: int) -> 
     bad = [i for i in ckpt.layers if i >= n_layers]
     if bad:
         raise CheckpointError(f"{ckpt.folder}: weights for layer(s) {bad}, but the base model has {n_layers} layers")
+    if isinstance(ckpt, AdapterCheckpoint):
+        missing = [i for i in range(n_layers) if i not in ckpt.layers and i not in ckpt.leave_out]
+        if missing:
+            raise CheckpointError(f"{ckpt.folder}: no weights for layer(s) {missing}, which 'leave_out' does not list")
 
 
 def load_backbone(folder: str, use_pooler: bool) -> BertModel:

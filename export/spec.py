@@ -132,6 +132,8 @@ def load_spec(path: str | Path) -> ModelSpec:
         adapter = body.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
             raise SpecError(f"{spec_path}: tasks.{name}.adapter must be an adapter name, got {adapter!r}")
+        if body.get("fusion") is not None and adapter is not None:
+            raise SpecError(f"{spec_path}: task '{name}': give either 'fusion' or 'adapter', not both")
         tasks[name] = TaskSpec(
             name=name,
             head=_folder(root, body["head"], f"tasks.{name}.head", spec_path),

@@ -1,0 +1,231 @@
+"""The folded fusion (export/fusion.py) equals the plain equations of shared/design.md section 1 (tests/reference.py),
+block by block on random weights, and the assembled model is batch-invariant and stateless."""
+
+import itertools
+
+import pytest
+import torch
+
+from fusionserve.export.checkpoint import ACTIVATIONS, AdapterLayer, FusionLayer
+from fusionserve.export.fusion import AdapterBlock, FoldedFusionBlock
+from fusionserve.export.model import build_model
+from fusionserve.export.spec import load_spec
+from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
+from tests.reference import plain_adapter, plain_fusion
+
+HIDDEN = 32
+TOL = 1e-5
+# Bottleneck sizes per N, deliberately mixed so the zero-padding path of the folded block is exercised.
+BOTTLENECKS = {1: [8], 2: [4, 16], 5: [8, 4, 16, 2, 8]}
+# Adapter weights at std 0.3 and fusion weights at 0.15 give a softmax that is clearly non-uniform yet not
+# one-hot (max weight ~0.6 for N = 5), so the scores, not just the argmax, are checked.
+ADAPTER_STD, FUSION_STD = 0.3, 0.15
+# (query, key, value, query_before_ln): every combination the folded block accepts; value off = 'static'.
+FLAGS = list(itertools.product([True, False], repeat=4))
+
+
+def _flag_id(flags):
+    return "-".join(f"{name}{'+' if on else '-'}" for name, on in zip(("q", "k", "v", "qbln"), flags, strict=True))
+
+
+def _adapter(gen: torch.Generator, r: int) -> AdapterLayer:
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * ADAPTER_STD
+
+    return AdapterLayer(down_w=rand(r, HIDDEN), down_b=rand(r), up_w=rand(HIDDEN, r), up_b=rand(HIDDEN))
+
+
+def _fusion(gen: torch.Generator, query: bool, key: bool, value: bool) -> FusionLayer:
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * FUSION_STD
+
+    return FusionLayer(
+        query_w=rand(HIDDEN, HIDDEN) if query else None,
+        query_b=rand(HIDDEN) if query else None,
+        key_w=rand(HIDDEN, HIDDEN) if key else None,
+        key_b=rand(HIDDEN) if key else None,
+        value_w=rand(HIDDEN, HIDDEN) if value else None,
+    )
+
+
+def _layer_norm(gen: torch.Generator) -> torch.nn.LayerNorm:
+    # A non-identity affine part, so a wrong placement of LN (or using it once instead of twice) shows.
+    ln = torch.nn.LayerNorm(HIDDEN)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.3 * torch.randn(HIDDEN, generator=gen))
+        ln.bias.copy_(0.3 * torch.randn(HIDDEN, generator=gen))
+    return ln
+
+
+def _inputs(gen: torch.Generator, batch: int = 3, seq: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    f = torch.randn(batch, seq, HIDDEN, generator=gen)  # FFN output before the residual
+    a = torch.randn(batch, seq, HIDDEN, generator=gen)  # attention block output
+    return f, a
+
+
+def _run(block, f, a, ln):
+    f0, a0 = f.clone(), a.clone()
+    with torch.no_grad():
+        out, s = block(f, a, ln)
+    # the blocks must not edit their inputs in place: the caller reuses f and a
+    assert torch.equal(f, f0) and torch.equal(a, a0)
+    return out, s
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("n", sorted(BOTTLENECKS))
+@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
+def test_folded_fusion_equals_plain(flags, n, act):
+    query, key, value, query_before_ln = flags
+    gen = torch.Generator().manual_seed(1000 * n + sum(1 << i for i, on in enumerate(flags) if on))
+    adapters = [_adapter(gen, r) for r in BOTTLENECKS[n]]
+    fusion = _fusion(gen, query, key, value)
+    ln = _layer_norm(gen)
+    f, a = _inputs(gen)
+
+    block = FoldedFusionBlock(adapters, act, fusion, list(range(n)), n, query_before_ln)
+    assert block.r == max(BOTTLENECKS[n])  # the padding path is taken whenever sizes differ
+    out, s = _run(block, f, a, ln)
+    with torch.no_grad():
+        ref_out, ref_s = plain_fusion(f, a, ln, adapters, act, fusion, query_before_ln)
+
+    assert out.shape == f.shape and s.shape == (*f.shape[:2], n)
+    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
+    torch.testing.assert_close(s, ref_s, atol=TOL, rtol=0)
+    if n > 1:  # guard against a test that passes on a trivial (uniform) softmax
+        assert (ref_s.max(-1).values - ref_s.min(-1).values).mean() > 0.05
+
+
+@pytest.mark.parametrize(
+    ("n_total", "positions"),
+    [(5, [0, 2, 3]), (5, [4, 1]), (3, [2]), (4, [0, 1, 2])],
+    ids=["some-absent", "unordered", "one-present", "last-absent"],
+)
+@pytest.mark.parametrize("query_before_ln", [False, True])
+def test_folded_fusion_with_absent_adapters(n_total, positions, query_before_ln):
+    """A layer holding only some of the fused adapters (leave_out): AdapterHub fuses the present ones, so the
+    softmax runs over them alone; the activations report zero for the absent ones."""
+    gen = torch.Generator().manual_seed(7 * n_total + len(positions))
+    sizes = [16, 4, 8, 2, 8][: len(positions)]
+    adapters = [_adapter(gen, r) for r in sizes]
+    fusion = _fusion(gen, query=True, key=True, value=True)
+    ln = _layer_norm(gen)
+    f, a = _inputs(gen)
+
+    block = FoldedFusionBlock(adapters, "relu", fusion, positions, n_total, query_before_ln)
+    out, s = _run(block, f, a, ln)
+    with torch.no_grad():
+        ref_out, ref_s = plain_fusion(f, a, ln, adapters, "relu", fusion, query_before_ln)
+
+    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
+    assert s.shape == (*f.shape[:2], n_total)
+    absent = [p for p in range(n_total) if p not in positions]
+    assert torch.all(s[..., absent] == 0)
+    torch.testing.assert_close(s[..., positions], ref_s, atol=TOL, rtol=0)
+    torch.testing.assert_close(s.sum(-1), torch.ones(f.shape[:2]), atol=TOL, rtol=0)
+
+
+def test_folded_fusion_needs_one_position_per_adapter():
+    gen = torch.Generator().manual_seed(0)
+    adapters = [_adapter(gen, 4), _adapter(gen, 4)]
+    with pytest.raises(ValueError, match="2 adapters and 1 positions"):
+        FoldedFusionBlock(adapters, "relu", _fusion(gen, True, True, True), [0], 3, False)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("r", [1, 8, 16])
+def test_adapter_block_equals_plain(act, r):
+    gen = torch.Generator().manual_seed(r)
+    adapter = _adapter(gen, r)
+    ln = _layer_norm(gen)
+    f, a = _inputs(gen)
+    out, s = _run(AdapterBlock(adapter, act), f, a, ln)
+    with torch.no_grad():
+        ref = plain_adapter(f, a, ln, adapter, act)
+    assert s is None
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+    assert (ref - ln(f + a)).abs().max() > 1e-2  # the adapter changes the output: the comparison is not vacuous
+
+
+# --- the assembled model -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(built_st):
+    return build_model(load_spec(built_st.spec))
+
+
+def _texts():
+    return [(s, None) for s in SENTENCES] + list(PAIRS)
+
+
+def _encode(tok, texts, padding):
+    firsts = [t[0] for t in texts]
+    seconds = [t[1] for t in texts]
+    if all(s is None for s in seconds):
+        return tok(firsts, padding=padding, return_tensors="pt")
+    return tok(firsts, seconds, padding=padding, return_tensors="pt")
+
+
+def _forward(model, batch, task):
+    kind = TASKS[task][0]
+    with torch.no_grad():
+        out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task=task,
+                    return_fusion_activations=kind == "fusion")  # fmt: skip
+    return out if kind == "fusion" else (out, None)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_batched_equals_one_by_one(built_st, model, task):
+    """Padding must not leak into real tokens: each text alone, unpadded, gives what it gets in a padded batch."""
+    tok = built_st.tokenizer
+    texts = _texts()
+    singles = _encode(tok, texts[: len(SENTENCES)], padding=True)
+    pairs = _encode(tok, texts[len(SENTENCES) :], padding=True)
+    for batch, group in ((singles, texts[: len(SENTENCES)]), (pairs, texts[len(SENTENCES) :])):
+        assert (batch["attention_mask"] == 0).any()  # the batch really is padded
+        logits, acts = _forward(model, batch, task)
+        for i, text in enumerate(group):
+            alone = _encode(tok, [text], padding=False)
+            one_logits, one_acts = _forward(model, alone, task)
+            torch.testing.assert_close(logits[i : i + 1], one_logits, atol=TOL, rtol=0, msg=f"{task}: text {i}")
+            if acts is not None:  # fusion weights of the real tokens agree too
+                n_tokens = alone["input_ids"].shape[1]
+                torch.testing.assert_close(acts[i : i + 1, :, :n_tokens], one_acts, atol=TOL, rtol=0)
+
+
+def _snapshot(model):
+    """Every tensor the model holds (non-persistent buffers included) and every plain attribute of every
+    module, such as a temperature that AdapterHub anneals in forward."""
+    tensors = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters()}
+    tensors |= {f"buffer:{k}": v.detach().clone() for k, v in model.named_buffers()}
+    tensors |= {f"state:{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    scalars = {
+        (name, attr): value
+        for name, mod in model.named_modules()
+        for attr, value in vars(mod).items()
+        if isinstance(value, (bool, int, float, str, type(None)))
+    }
+    return tensors, scalars
+
+
+def test_forward_changes_no_state(built_st, model):
+    tok = built_st.tokenizer
+    batch = _encode(tok, _texts()[: len(SENTENCES)], padding=True)
+    inputs_before = {k: v.clone() for k, v in batch.items()}
+    tensors_before, scalars_before = _snapshot(model)
+
+    for task in TASKS:
+        first = _forward(model, batch, task)
+        second = _forward(model, batch, task)
+        assert torch.equal(first[0], second[0]), task
+        if first[1] is not None:
+            assert torch.equal(first[1], second[1]), task
+
+    tensors_after, scalars_after = _snapshot(model)
+    assert tensors_after.keys() == tensors_before.keys()
+    changed = [k for k in tensors_before if not torch.equal(tensors_before[k], tensors_after[k])]
+    assert not changed, f"forward changed {changed}"
+    assert scalars_after == scalars_before
+    assert not model.training
+    assert all(torch.equal(batch[k], inputs_before[k]) for k in inputs_before)  # inputs are not edited in place
