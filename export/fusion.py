@@ -1,24 +1,30 @@
-"""What replaces a BERT layer's ``output.LayerNorm(f + a)``: plain, one adapter, or AdapterFusion in folded form.
+"""What replaces a BERT layer's ``output.LayerNorm(f + a)``: every adapter of the layer in one stack, shared by all
+tasks, and each task's fusion (or single adapter, or nothing) folded into a few small matrices.
 
-Every block takes ``f`` (FFN output before the residual), ``a`` (attention block output) and the layer's own
-pretrained LayerNorm, and returns the layer output plus, for fusion, the softmax weights over adapters.
+Every block takes ``f`` (FFN output before the residual), ``a`` (attention block output), the layer's own
+pretrained LayerNorm and the task index, and returns the layer output and the softmax weights over the stack.
 
-The fusion block is the exact algebra of shared/design.md section 2, pushed one step further so that no
-(batch, seq, N, hidden) tensor and no hidden x hidden product is left per adapter:
+The fusion is the exact algebra of shared/design.md section 2, pushed one step further so that no
+(batch, seq, N, hidden) tensor and no hidden x hidden product per adapter is left:
 
     score_n = z_n . u,   u = K^T (Q q + b_q)         (the b_k term is equal for all n: softmax drops it)
             = h_n . (W_up_n^T M q + W_up_n^T c) + b_up_n . (M q + c),   M = K^T Q,  c = K^T b_q
     o       = V sum_n s_n z_n = (V W_up) (s (x) h) + sum_n s_n V b_up_n
 
-with h_n = act(W_down_n x + b_down_n). All products of weight matrices are folded once, in float64, at
-build time. Per token and layer this costs ~3 N r H + 2 N H multiply-adds instead of the reference's
+with h_n = act(W_down_n x + b_down_n). All products of weight matrices are folded once, in float64, when the
+model is built. Per token and layer this costs ~3 N r H + 2 N H multiply-adds instead of the reference's
 (1 + 2N) H^2. Adapters with different bottleneck sizes are zero-padded to the largest: act(0) = 0 for every
 supported activation and the padded rows and columns are zero, so padding changes nothing.
+
+A single-adapter task is the same computation with a one-hot softmax (scores zero, other adapters masked,
+V = I); a task that adds nothing in a layer has gate 0. One graph thus serves every task from one copy of
+the backbone and the adapters' down-projections; a task index selects the task's folded matrices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,9 @@ from torch import nn
 from .checkpoint import AdapterLayer, FusionLayer
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+# Added to the score of an adapter a task does not use: exp underflows to exactly 0, in fp16 too (finite there).
+MASKED = -30000.0
 
 _ACTIVATIONS: dict[str, Activation] = {
     "relu": F.relu,
@@ -44,104 +53,122 @@ def activation(name: str) -> Activation:
     return _ACTIVATIONS[name]
 
 
-class PlainBlock(nn.Module):
-    """No adapter in this layer for this task: the pretrained BERT output."""
+@dataclass(frozen=True)
+class TaskLayer:
+    """One task's weights in one layer, over that layer's stack of N adapters padded to bottleneck r (float64)."""
 
-    def forward(self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    score_w: torch.Tensor  # (N*r + N, hidden): per bottleneck unit its share of z_n . u, then b_up_n . u
+    score_b: torch.Tensor  # (N*r + N,)
+    out_w: torch.Tensor  # (hidden, N*r): V W_up
+    out_b: torch.Tensor  # (N, hidden): V b_up_n
+    mask: torch.Tensor  # (N,): 0 for adapters the task mixes, MASKED for the others
+    gate: float  # 0 when the task adds nothing in this layer
+    query_before_ln: bool
+
+
+def _padded(adapters: Sequence[AdapterLayer], r: int) -> tuple[torch.Tensor, ...]:
+    """down_w (N*r, H), down_b (N*r,), up_w (H, N*r), up_b (N, H) in float64, each adapter padded to r."""
+    d = torch.float64
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros((r - t.shape[0], *t.shape[1:]))]) if t.shape[0] < r else t
+
+    down_w = torch.cat([pad(ad.down_w.to(d)) for ad in adapters])
+    down_b = torch.cat([pad(ad.down_b.to(d)) for ad in adapters])
+    up_w = torch.cat([pad(ad.up_w.to(d).T) for ad in adapters]).T
+    up_b = torch.stack([ad.up_b.to(d) for ad in adapters])
+    return down_w, down_b, up_w, up_b
+
+
+def fold_fusion(
+    stack: Sequence[AdapterLayer], r: int, members: Sequence[int], fusion: FusionLayer, query_before_ln: bool
+) -> TaskLayer:
+    """A fusion over ``stack[members]`` (the fused adapters present in this layer, in the fusion's order)."""
+    n, hidden = len(stack), stack[0].up_b.shape[0]
+    d = torch.float64
+    eye = torch.eye(hidden, dtype=d)
+    q_w = fusion.query_w.to(d) if fusion.query_w is not None else eye
+    q_b = fusion.query_b.to(d) if fusion.query_b is not None else torch.zeros(hidden, dtype=d)
+    k_w = fusion.key_w.to(d) if fusion.key_w is not None else eye
+    v_w = fusion.value_w.to(d) if fusion.value_w is not None else eye
+    m = k_w.T @ q_w  # (hidden, hidden): u = M q + c
+    c = k_w.T @ q_b  # (hidden,)
+    keep = torch.zeros(n, dtype=d)
+    keep[list(members)] = 1.0
+    _, _, up_w, up_b = _padded(stack, r)
+    up_w = up_w * keep.repeat_interleave(r)  # non-members contribute nothing
+    up_b = up_b * keep[:, None]
+    score_w = torch.cat([up_w.T @ m, up_b @ m])  # (N*r + N, hidden)
+    score_b = torch.cat([up_w.T @ c, up_b @ c])
+    return TaskLayer(score_w, score_b, v_w @ up_w, up_b @ v_w.T, (1 - keep) * MASKED, 1.0, query_before_ln)
+
+
+def fold_adapter(stack: Sequence[AdapterLayer], r: int, index: int) -> TaskLayer:
+    """One adapter of the stack on its own: a one-hot softmax on ``index`` and no V."""
+    n, hidden = len(stack), stack[0].up_b.shape[0]
+    keep = torch.zeros(n, dtype=torch.float64)
+    keep[index] = 1.0
+    _, _, up_w, up_b = _padded(stack, r)
+    zeros = torch.zeros(n * r + n, hidden, dtype=torch.float64)
+    return TaskLayer(zeros, zeros[:, 0], up_w * keep.repeat_interleave(r), up_b * keep[:, None], (1 - keep) * MASKED, 1.0, False)
+
+
+def fold_nothing(stack: Sequence[AdapterLayer], r: int) -> TaskLayer:
+    """The task uses no adapter of this layer: gate 0, the pretrained output LN(f + a)."""
+    n, hidden = len(stack), stack[0].up_b.shape[0]
+    zeros = torch.zeros(n * r + n, hidden, dtype=torch.float64)
+    return TaskLayer(zeros, zeros[:, 0], zeros[: n * r].T, zeros[:n], torch.full((n,), MASKED, dtype=torch.float64), 0.0, False)
+
+
+def _pick(stacked: torch.Tensor, task_id: torch.Tensor) -> torch.Tensor:
+    """One task's slice; with a single task the slice is a constant, so the exported graph keeps plain weights."""
+    if stacked.shape[0] == 1:
+        return stacked[0]
+    return stacked.index_select(0, task_id).squeeze(0)
+
+
+class PlainBlock(nn.Module):
+    """No adapter in this layer: the pretrained BERT output for every task."""
+
+    def forward(
+        self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return ln(f + a), None
 
 
-class AdapterBlock(nn.Module):
-    """One seq_bn adapter: out = LN(z + f + a) with z = adapter(LN(f + a))."""
+class AdapterLayerBlock(nn.Module):
+    """All adapters present in one layer, stacked and shared by every task, plus every task's folded weights."""
 
-    def __init__(self, weights: AdapterLayer, act: str) -> None:
+    def __init__(self, stack: Sequence[AdapterLayer], act: str, tasks: Sequence[TaskLayer]) -> None:
         super().__init__()
+        if not stack or not tasks:
+            raise ValueError(f"need at least one adapter and one task, got {len(stack)} and {len(tasks)}")
         self.act_name = act
-        self.register_buffer("down_w", weights.down_w.clone())  # (r, hidden)
-        self.register_buffer("down_b", weights.down_b.clone())
-        self.register_buffer("up_w", weights.up_w.clone())  # (hidden, r)
-        self.register_buffer("up_b", weights.up_b.clone())
+        self.n = len(stack)
+        self.r = max(ad.down_w.shape[0] for ad in stack)
+        down_w, down_b, _, _ = _padded(stack, self.r)
+        self.register_buffer("down_w", down_w.float())  # (N*r, hidden)
+        self.register_buffer("down_b", down_b.float())
+        self.register_buffer("score_w", torch.stack([t.score_w for t in tasks]).float())  # (tasks, N*r + N, hidden)
+        self.register_buffer("score_b", torch.stack([t.score_b for t in tasks]).float())  # (tasks, N*r + N)
+        self.register_buffer("out_w", torch.stack([t.out_w for t in tasks]).float())  # (tasks, hidden, N*r)
+        self.register_buffer("out_b", torch.stack([t.out_b for t in tasks]).float())  # (tasks, N, hidden)
+        self.register_buffer("mask", torch.stack([t.mask for t in tasks]).float())  # (tasks, N)
+        self.register_buffer("gate", torch.tensor([t.gate for t in tasks]))  # (tasks,)
+        self.register_buffer("query_before_ln", torch.tensor([t.query_before_ln for t in tasks]))  # (tasks,)
+        self.any_query_before_ln = any(t.query_before_ln for t in tasks)
 
-    def forward(self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = ln(f + a)  # (batch, seq, hidden)
-        z = F.linear(activation(self.act_name)(F.linear(x, self.down_w, self.down_b)), self.up_w, self.up_b)
-        return ln(z + f + a), None
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]) if t.shape[0] < rows else t
-
-
-class FoldedFusionBlock(nn.Module):
-    """AdapterFusion over the adapters present in one layer, folded (see module docstring).
-
-    ``positions[i]`` is where ``adapters[i]`` sits in the fusion's full adapter list of length ``n_total``;
-    the returned activations are (batch, seq, n_total), zero for adapters absent from this layer.
-    """
-
-    def __init__(
-        self,
-        adapters: Sequence[AdapterLayer],
-        act: str,
-        fusion: FusionLayer,
-        positions: Sequence[int],
-        n_total: int,
-        query_before_ln: bool,
-    ) -> None:
-        super().__init__()
-        if not adapters or len(adapters) != len(positions):
-            raise ValueError(f"need one position per adapter, got {len(adapters)} adapters and {len(positions)} positions")
-        self.act_name = act
-        self.query_before_ln = query_before_ln
-        self.n_total = n_total
-        self.n = len(adapters)
-        self.r = max(ad.down_w.shape[0] for ad in adapters)
-        hidden = adapters[0].up_b.shape[0]
-        d = torch.float64
-        eye = torch.eye(hidden, dtype=d)
-        q_w = fusion.query_w.to(d) if fusion.query_w is not None else eye
-        q_b = fusion.query_b.to(d) if fusion.query_b is not None else torch.zeros(hidden, dtype=d)
-        k_w = fusion.key_w.to(d) if fusion.key_w is not None else eye
-        v_w = fusion.value_w.to(d) if fusion.value_w is not None else eye
-        m = k_w.T @ q_w  # (hidden, hidden): u = M q + c
-        c = k_w.T @ q_b  # (hidden,)
-
-        down_w = torch.cat([_pad_rows(ad.down_w.to(d), self.r) for ad in adapters])  # (N*r, hidden)
-        down_b = torch.cat([_pad_rows(ad.down_b.to(d), self.r) for ad in adapters])  # (N*r,)
-        up_w = torch.cat([_pad_rows(ad.up_w.to(d).T, self.r) for ad in adapters]).T  # (hidden, N*r)
-        up_b = torch.stack([ad.up_b.to(d) for ad in adapters])  # (N, hidden)
-        score_w = up_w.T @ m  # (N*r, hidden): per bottleneck unit, its share of z_n . u
-        score_b = up_w.T @ c  # (N*r,)
-        bias_w = up_b @ m  # (N, hidden): b_up_n . u
-        bias_b = up_b @ c  # (N,)
-        if query_before_ln:
-            self.register_buffer("in_w", down_w.float())
-            self.register_buffer("in_b", down_b.float())
-            self.register_buffer("q_w", torch.cat([score_w, bias_w]).float())  # (N*r + N, hidden)
-            self.register_buffer("q_b", torch.cat([score_b, bias_b]).float())
-        else:  # query is the adapter input: one GEMM for down-projection and scores
-            self.register_buffer("in_w", torch.cat([down_w, score_w, bias_w]).float())  # (2*N*r + N, hidden)
-            self.register_buffer("in_b", torch.cat([down_b, score_b, bias_b]).float())
-        self.register_buffer("out_w", (v_w @ up_w).float())  # (hidden, N*r)
-        self.register_buffer("out_b", (up_b @ v_w.T).float())  # (N, hidden)
-        self.register_buffer("positions", torch.tensor(list(positions), dtype=torch.long), persistent=False)
-
-    def forward(self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, r = self.n, self.r
         x = ln(f + a)  # (batch, seq, hidden)
-        y = F.linear(x, self.in_w, self.in_b)  # (batch, seq, N*r [+ N*r + N])
-        if self.query_before_ln:
-            down, scores_in = y, F.linear(f, self.q_w, self.q_b)
-        else:
-            down, scores_in = y[..., : n * r], y[..., n * r :]
-        h = activation(self.act_name)(down).unflatten(-1, (n, r))  # (batch, seq, N, r)
-        g = scores_in[..., : n * r].unflatten(-1, (n, r))  # (batch, seq, N, r)
-        scores = (h * g).sum(-1) + scores_in[..., n * r :]  # (batch, seq, N)
-        s = torch.softmax(scores, dim=-1)  # (batch, seq, N)
+        h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).unflatten(-1, (n, r))  # (batch, seq, N, r)
+        query = torch.where(_pick(self.query_before_ln, task_id), f, x) if self.any_query_before_ln else x
+        y = F.linear(query, _pick(self.score_w, task_id), _pick(self.score_b, task_id))  # (batch, seq, N*r + N)
+        g = y[..., : n * r].unflatten(-1, (n, r))  # (batch, seq, N, r)
+        scores = (h * g).sum(-1) + y[..., n * r :] + _pick(self.mask, task_id)  # (batch, seq, N)
+        s = torch.softmax(scores, dim=-1) * _pick(self.gate, task_id)  # (batch, seq, N)
         mixed = (h * s.unsqueeze(-1)).flatten(-2)  # (batch, seq, N*r)
-        o = F.linear(mixed, self.out_w) + s @ self.out_b  # (batch, seq, hidden)
-        out = ln(o + f + a)
-        if self.n == self.n_total:
-            return out, s
-        full = s.new_zeros((*s.shape[:-1], self.n_total))
-        return out, full.index_copy(-1, self.positions, s)
+        o = F.linear(mixed, _pick(self.out_w, task_id)) + s @ _pick(self.out_b, task_id)  # (batch, seq, hidden)
+        return ln(o + f + a), s

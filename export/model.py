@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig, BertModel
 from transformers.utils import logging as hf_logging
@@ -18,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from fusionserve.errors import CheckpointError, SpecError
 
 from .checkpoint import AdapterCheckpoint, FusionCheckpoint, HeadCheckpoint, load_adapter, load_fusion, load_head
-from .fusion import AdapterBlock, FoldedFusionBlock, PlainBlock, activation
+from .fusion import AdapterLayerBlock, PlainBlock, activation, fold_adapter, fold_fusion, fold_nothing
 from .spec import ModelSpec
 
 
@@ -58,29 +59,73 @@ class ClassificationHead(nn.Module):
         return x  # (batch, num_labels)
 
 
-class TaskModule(nn.Module):
-    def __init__(self, info: TaskInfo, blocks: list[nn.Module], head: ClassificationHead) -> None:
-        super().__init__()
-        self.info = info
-        self.blocks = nn.ModuleList(blocks)
-        self.head = head
-
-
 class FusionBertModel(nn.Module):
-    """Frozen BERT + adapters + fusion layers + heads for every task of a spec, sharing one backbone."""
+    """Frozen BERT + every adapter, fusion layer and head of a spec, in one module: the graph that gets exported.
 
-    def __init__(self, bert: BertModel, tasks: dict[str, TaskModule]) -> None:
+    ``forward`` takes a task index and returns padded logits and the fusion activations over all adapters;
+    ``classify`` is the by-name view of it. Both are pure: nothing in them changes state.
+    """
+
+    def __init__(
+        self,
+        bert: BertModel,
+        blocks: list[nn.Module],
+        heads: list[ClassificationHead],
+        infos: list[TaskInfo],
+        adapter_names: tuple[str, ...],
+        stacks: list[tuple[str, ...]],
+    ) -> None:
         super().__init__()
         self.bert = bert
-        self.tasks = nn.ModuleDict(tasks)
+        self.blocks = nn.ModuleList(blocks)  # one per layer, shared by all tasks
+        self.heads = nn.ModuleList(heads)  # one per task, in task-index order
+        self.infos = {info.name: info for info in infos}
+        self.task_index = {info.name: i for i, info in enumerate(infos)}
+        self.adapter_names = adapter_names  # the columns of the fusion activations
+        self.max_labels = max(len(info.labels) for info in infos)
+        self.use_pooler = any(h.use_pooler for h in heads)
+        for i, stack in enumerate(stacks):  # (N_layer, N_all) one-hot: layer stack -> activation columns
+            expand = torch.zeros(len(stack), len(adapter_names))
+            for row, name in enumerate(stack):
+                expand[row, adapter_names.index(name)] = 1.0
+            self.register_buffer(f"expand_{i}", expand, persistent=False)
         self.requires_grad_(False)
         self.eval()
 
     @property
     def task_infos(self) -> dict[str, TaskInfo]:
-        return {name: t.info for name, t in self.tasks.items()}  # type: ignore[union-attr]
+        return dict(self.infos)
 
     def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        task_id: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (batch, max_labels), zero-padded past the task's labels, and the fusion activations
+        (batch, layers, seq, n_adapters) over ``adapter_names``, zero where the task does not mix an adapter.
+        ``task_id`` is an int64 tensor of shape (1,)."""
+        bert = self.bert
+        h = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)  # (batch, seq, hidden)
+        mask = bert.get_extended_attention_mask(attention_mask, input_ids.shape)  # (batch, 1, 1, seq)
+        acts = []
+        for i, (layer, block) in enumerate(zip(bert.encoder.layer, self.blocks, strict=True)):
+            a = layer.attention(h, attention_mask=mask)[0]  # (batch, seq, hidden)
+            f = layer.output.dense(layer.intermediate(a))  # (batch, seq, hidden), dropout is a no-op in eval
+            h, s = block(f, a, layer.output.LayerNorm, task_id)
+            expand = getattr(self, f"expand_{i}")
+            acts.append(s @ expand if s is not None else h.new_zeros((*h.shape[:2], expand.shape[1])))
+        cls = bert.pooler(h) if self.use_pooler else h[:, 0]  # (batch, hidden)
+        logits = torch.stack([self._padded_head(head, h[:, 0], cls) for head in self.heads])  # (tasks, batch, max_labels)
+        logits = logits[0] if len(self.heads) == 1 else logits.index_select(0, task_id).squeeze(0)
+        return logits, torch.stack(acts, dim=1)  # (batch, max_labels), (batch, layers, seq, n_adapters)
+
+    def _padded_head(self, head: ClassificationHead, first: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        out = head(pooled if head.use_pooler else first)  # (batch, num_labels)
+        return F.pad(out, (0, self.max_labels - out.shape[-1]))
+
+    def classify(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
@@ -89,36 +134,25 @@ class FusionBertModel(nn.Module):
         task: str,
         return_fusion_activations: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (batch, num_labels); with ``return_fusion_activations`` also the softmax weights
-        (batch, layers, seq, n_adapters) of a fusion task (zeros where an adapter is absent from a layer).
+        """Logits (batch, num_labels) of ``task``; with ``return_fusion_activations`` also the softmax weights
+        (batch, layers, seq, n) over the task's fused adapters in the fusion's order (zero where one is absent).
 
         Raises SpecError for an unknown task, or when activations are asked of a task without fusion.
         """
-        if task not in self.tasks:
-            raise SpecError(f"unknown task '{task}'; known tasks: {', '.join(self.tasks)}")
-        mod: TaskModule = self.tasks[task]  # type: ignore[assignment]
-        if return_fusion_activations and mod.info.kind != "fusion":
-            raise SpecError(f"task '{task}' has no fusion layer ({mod.info.kind} task); there are no fusion activations")
+        if task not in self.infos:
+            raise SpecError(f"unknown task '{task}'; known tasks: {', '.join(self.infos)}")
+        info = self.infos[task]
+        if return_fusion_activations and info.kind != "fusion":
+            raise SpecError(f"task '{task}' has no fusion layer ({info.kind} task); there are no fusion activations")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        bert = self.bert
-        h = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)  # (batch, seq, hidden)
-        mask = bert.get_extended_attention_mask(attention_mask, input_ids.shape)  # (batch, 1, 1, seq)
-        acts = []
-        for layer, block in zip(bert.encoder.layer, mod.blocks, strict=True):
-            a = layer.attention(h, attention_mask=mask)[0]  # (batch, seq, hidden)
-            f = layer.output.dense(layer.intermediate(a))  # (batch, seq, hidden), dropout is a no-op in eval
-            h, s = block(f, a, layer.output.LayerNorm)
-            if return_fusion_activations:
-                n = len(mod.info.adapters)
-                acts.append(s if s is not None else h.new_zeros((*h.shape[:2], n)))
-        cls = h[:, 0]
-        if mod.head.use_pooler:
-            cls = bert.pooler(h)
-        logits = mod.head(cls)
-        if return_fusion_activations:
-            return logits, torch.stack(acts, dim=1)  # (batch, layers, seq, n_adapters)
-        return logits
+        task_id = torch.tensor([self.task_index[task]], dtype=torch.long)
+        logits, acts = self(input_ids, attention_mask, token_type_ids, task_id)
+        logits = logits[:, : len(info.labels)]
+        if not return_fusion_activations:
+            return logits
+        columns = [self.adapter_names.index(n) for n in info.adapters]
+        return logits, acts[..., columns]
 
 
 def _check_hidden(ckpt: AdapterCheckpoint | FusionCheckpoint | HeadCheckpoint, config: BertConfig) -> None:
@@ -177,47 +211,69 @@ def build_model(spec: ModelSpec) -> FusionBertModel:
     for ad in adapters.values():
         _check_layers(ad, n_layers)
 
-    tasks: dict[str, TaskModule] = {}
+    fusions = {}
     for name, t in spec.tasks.items():
-        head = heads[name]
-        blocks: list[nn.Module]
-        if t.fusion is not None:
-            fusion = load_fusion(t.fusion)
-            _check_hidden(fusion, config)
-            _check_layers(fusion, n_layers)
-            missing = [a for a in fusion.adapter_names if a not in adapters]
-            if missing:
-                raise SpecError(
-                    f"{t.fusion}: the fusion of task '{name}' names adapter(s) {missing} that the spec lacks "
-                    f"(spec adapters: {', '.join(adapters) or 'none'})"
-                )
-            members = [adapters[a] for a in fusion.adapter_names]
-            acts = {m.non_linearity for m in members}
-            if len(acts) > 1:
-                raise CheckpointError(f"{t.fusion}: the fused adapters use different non_linearity values {sorted(acts)}")
-            act = members[0].non_linearity
-            blocks, per_layer = [], []
-            for i in range(n_layers):
-                present = [p for p, m in enumerate(members) if i in m.layers]
-                per_layer.append(tuple(fusion.adapter_names[p] for p in present))
-                if not present:  # AdapterHub skips the layer when none of the fused adapters is in it
-                    blocks.append(PlainBlock())
-                    continue
-                if i not in fusion.layers:
+        if t.fusion is None:
+            continue
+        fusion = fusions[name] = load_fusion(t.fusion)
+        _check_hidden(fusion, config)
+        _check_layers(fusion, n_layers)
+        missing = [a for a in fusion.adapter_names if a not in adapters]
+        if missing:
+            raise SpecError(
+                f"{t.fusion}: the fusion of task '{name}' names adapter(s) {missing} that the spec lacks "
+                f"(spec adapters: {', '.join(adapters) or 'none'})"
+            )
+    used = {a for f in fusions.values() for a in f.adapter_names} | {t.adapter for t in spec.tasks.values() if t.adapter}
+    names = tuple(a for a in adapters if a in used)  # spec order; unused adapters are validated, not served
+    acts = {adapters[a].non_linearity for a in names}
+    if len(acts) > 1:
+        which = ", ".join(f"{a}={adapters[a].non_linearity}" for a in names)
+        raise CheckpointError(
+            f"{spec.path}: the served adapters use different non_linearity values ({which}); one graph needs one"
+        )
+    act = next(iter(acts), "relu")
+
+    blocks: list[nn.Module] = []
+    stacks: list[tuple[str, ...]] = []
+    per_layer: dict[str, list[tuple[str, ...]]] = {task: [] for task in spec.tasks}
+    for i in range(n_layers):
+        stack_names = tuple(a for a in names if i in adapters[a].layers)
+        stacks.append(stack_names)
+        if not stack_names:
+            blocks.append(PlainBlock())
+            for task in spec.tasks:
+                per_layer[task].append(())
+            continue
+        stack = [adapters[a].layers[i] for a in stack_names]
+        r = max(ad.down_w.shape[0] for ad in stack)
+        folded = []
+        for task, t in spec.tasks.items():
+            if task in fusions:
+                fusion = fusions[task]
+                present = tuple(a for a in fusion.adapter_names if a in stack_names)
+                if present and i not in fusion.layers:
                     raise CheckpointError(f"{t.fusion}: missing fusion weights for layer {i}")
-                block = FoldedFusionBlock(
-                    [members[p].layers[i] for p in present], act, fusion.layers[i], present, len(members),
-                    fusion.query_before_ln,
-                )  # fmt: skip
-                blocks.append(block)
-            info = TaskInfo(name, "fusion", head.labels, fusion.adapter_names, tuple(per_layer))
-        elif t.adapter is not None:
-            ad = adapters[t.adapter]
-            blocks = [AdapterBlock(ad.layers[i], ad.non_linearity) if i in ad.layers else PlainBlock() for i in range(n_layers)]
-            per = tuple((t.adapter,) if i in ad.layers else () for i in range(n_layers))
-            info = TaskInfo(name, "adapter", head.labels, (t.adapter,), per)
-        else:
-            blocks = [PlainBlock() for _ in range(n_layers)]
-            info = TaskInfo(name, "head", head.labels, (), tuple(() for _ in range(n_layers)))
-        tasks[name] = TaskModule(info, blocks, ClassificationHead(head))
-    return FusionBertModel(bert, tasks)
+                members = [stack_names.index(a) for a in present]
+                # AdapterHub skips the layer when none of the fused adapters is in it
+                folded.append(
+                    fold_fusion(stack, r, members, fusion.layers[i], fusion.query_before_ln)
+                    if present
+                    else fold_nothing(stack, r)
+                )
+            elif t.adapter is not None and t.adapter in stack_names:
+                present = (t.adapter,)
+                folded.append(fold_adapter(stack, r, stack_names.index(t.adapter)))
+            else:
+                present = ()
+                folded.append(fold_nothing(stack, r))
+            per_layer[task].append(present)
+        blocks.append(AdapterLayerBlock(stack, act, folded))
+
+    infos = []
+    for task, t in spec.tasks.items():
+        kind = t.kind
+        task_adapters = fusions[task].adapter_names if task in fusions else ((t.adapter,) if t.adapter else ())
+        infos.append(TaskInfo(task, kind, heads[task].labels, tuple(task_adapters), tuple(per_layer[task])))
+    head_modules = [ClassificationHead(heads[task]) for task in spec.tasks]
+    return FusionBertModel(bert, blocks, head_modules, infos, names, stacks)

@@ -51,10 +51,10 @@ class TorchRunner:
         return {name: info.labels for name, info in self.model.task_infos.items()}
 
     def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
-        if task not in self.model.tasks:
-            raise SpecError(f"unknown task '{task}'; known tasks: {', '.join(self.model.tasks)}")
+        if task not in self.model.infos:
+            raise SpecError(f"unknown task '{task}'; known tasks: {', '.join(self.model.infos)}")
         enc = self.encoder.encode(inputs)
         ids, mask, types = (torch.from_numpy(t) for t in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
         with torch.inference_mode():
-            out = self.model(ids, mask, types, task=task)
+            out = self.model.classify(ids, mask, types, task=task)
         return out.numpy(), enc.truncated

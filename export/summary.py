@@ -7,8 +7,8 @@ from typing import Any
 from torch import nn
 
 from .checkpoint import load_adapter, load_fusion
-from .fusion import FoldedFusionBlock
-from .model import FusionBertModel, TaskModule
+from .fusion import AdapterLayerBlock
+from .model import FusionBertModel
 from .spec import ModelSpec
 
 
@@ -38,17 +38,19 @@ def summarize(spec: ModelSpec, model: FusionBertModel) -> dict[str, Any]:
         "heads": 0,
     }
     totals["adapters"] = sum(a["parameters"] for a in adapters.values())
-    for name, t in spec.tasks.items():
-        mod: TaskModule = model.tasks[name]  # type: ignore[assignment]
-        info = mod.info
+    blocks = [b for b in model.blocks if isinstance(b, AdapterLayerBlock)]
+    totals["served_adapter_stack"] = sum(b.down_w.numel() + b.down_b.numel() for b in blocks)
+    for index, (name, t) in enumerate(spec.tasks.items()):
+        info = model.infos[name]
+        head = model.heads[index]
         entry: dict[str, Any] = {"kind": info.kind, "labels": list(info.labels), "adapters": list(info.adapters)}
         entry["adapters_per_layer"] = [list(layer) for layer in info.adapters_per_layer]
-        entry["head_parameters"] = _numel(mod.head)
+        entry["head_parameters"] = _numel(head)
         totals["heads"] += entry["head_parameters"]
         if t.fusion is not None:
             fusion = load_fusion(t.fusion)
             saved = sum(x.numel() for lay in fusion.layers.values() for x in vars(lay).values() if x is not None)
-            served = sum(_numel(b) for b in mod.blocks if isinstance(b, FoldedFusionBlock))
+            served = sum(sum(getattr(b, k)[index].numel() for k in ("score_w", "score_b", "out_w", "out_b")) for b in blocks)
             entry["fusion_parameters"] = {"saved": saved, "served_folded": served}
             totals["fusion_saved"] += saved
             totals["fusion_served"] += served

@@ -233,17 +233,17 @@ def test_json_spec_with_the_same_keys_works(built_st, root):
     batch = built_st.tokenizer(SENTENCES, padding=True, return_tensors="pt")
     with torch.no_grad():
         for task in from_yaml.task_infos:
-            got = from_json(batch["input_ids"], batch["attention_mask"], task=task)
-            assert torch.equal(got, from_yaml(batch["input_ids"], batch["attention_mask"], task=task)), task
+            got = from_json.classify(batch["input_ids"], batch["attention_mask"], task=task)
+            assert torch.equal(got, from_yaml.classify(batch["input_ids"], batch["attention_mask"], task=task)), task
 
 
 def test_unknown_task_at_forward(built_st):
     model = build_model(load_spec(built_st.spec))
     batch = built_st.tokenizer(SENTENCES[:1], return_tensors="pt")
     with pytest.raises(SpecError, match=_all_of("unknown task 'sentiment'", "rte", "head_only")):
-        model(batch["input_ids"], batch["attention_mask"], task="sentiment")
+        model.classify(batch["input_ids"], batch["attention_mask"], task="sentiment")
     with pytest.raises(SpecError, match=_all_of("'alpha_only'", "no fusion")):
-        model(batch["input_ids"], batch["attention_mask"], task="alpha_only", return_fusion_activations=True)
+        model.classify(batch["input_ids"], batch["attention_mask"], task="alpha_only", return_fusion_activations=True)
 
 
 # --- how the checkpoints fit together -----------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_adapter_for_another_base_model(root):
 
 def test_fused_adapters_with_different_activations(root):
     _set_config(root / "adapters/gamma/adapter_config.json", non_linearity="gelu")
-    with pytest.raises(CheckpointError, match=_all_of(root / "fusions/rte", "non_linearity", "'gelu'", "'relu'")):
+    with pytest.raises(CheckpointError, match=_all_of(root / "model.yaml", "non_linearity", "gamma=gelu", "alpha=relu")):
         _build(root)
 
 

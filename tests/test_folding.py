@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusionserve.export.checkpoint import ACTIVATIONS, AdapterLayer, FusionLayer
-from fusionserve.export.fusion import AdapterBlock, FoldedFusionBlock
+from fusionserve.export.fusion import AdapterLayerBlock, fold_adapter, fold_fusion, fold_nothing
 from fusionserve.export.model import build_model
 from fusionserve.export.spec import load_spec
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
@@ -63,10 +63,10 @@ def _inputs(gen: torch.Generator, batch: int = 3, seq: int = 7) -> tuple[torch.T
     return f, a
 
 
-def _run(block, f, a, ln):
+def _run(block, f, a, ln, task=0):
     f0, a0 = f.clone(), a.clone()
     with torch.no_grad():
-        out, s = block(f, a, ln)
+        out, s = block(f, a, ln, torch.tensor([task]))
     # the blocks must not edit their inputs in place: the caller reuses f and a
     assert torch.equal(f, f0) and torch.equal(a, a0)
     return out, s
@@ -83,8 +83,9 @@ def test_folded_fusion_equals_plain(flags, n, act):
     ln = _layer_norm(gen)
     f, a = _inputs(gen)
 
-    block = FoldedFusionBlock(adapters, act, fusion, list(range(n)), n, query_before_ln)
-    assert block.r == max(BOTTLENECKS[n])  # the padding path is taken whenever sizes differ
+    r = max(BOTTLENECKS[n])
+    block = AdapterLayerBlock(adapters, act, [fold_fusion(adapters, r, list(range(n)), fusion, query_before_ln)])
+    assert block.r == r  # the padding path is taken whenever sizes differ
     out, s = _run(block, f, a, ln)
     with torch.no_grad():
         ref_out, ref_s = plain_fusion(f, a, ln, adapters, act, fusion, query_before_ln)
@@ -102,17 +103,17 @@ def test_folded_fusion_equals_plain(flags, n, act):
     ids=["some-absent", "unordered", "one-present", "last-absent"],
 )
 @pytest.mark.parametrize("query_before_ln", [False, True])
-def test_folded_fusion_with_absent_adapters(n_total, positions, query_before_ln):
-    """A layer holding only some of the fused adapters (leave_out): AdapterHub fuses the present ones, so the
-    softmax runs over them alone; the activations report zero for the absent ones."""
+def test_folded_fusion_over_part_of_the_stack(n_total, positions, query_before_ln):
+    """The layer's stack holds adapters the task does not fuse (other tasks' adapters, or the task's own left
+    out of this layer): the softmax runs over the fused ones alone and reports exactly zero for the others."""
     gen = torch.Generator().manual_seed(7 * n_total + len(positions))
-    sizes = [16, 4, 8, 2, 8][: len(positions)]
-    adapters = [_adapter(gen, r) for r in sizes]
+    stack = [_adapter(gen, r) for r in [16, 4, 8, 2, 8][:n_total]]
+    adapters = [stack[p] for p in positions]
     fusion = _fusion(gen, query=True, key=True, value=True)
     ln = _layer_norm(gen)
     f, a = _inputs(gen)
 
-    block = FoldedFusionBlock(adapters, "relu", fusion, positions, n_total, query_before_ln)
+    block = AdapterLayerBlock(stack, "relu", [fold_fusion(stack, 16, positions, fusion, query_before_ln)])
     out, s = _run(block, f, a, ln)
     with torch.no_grad():
         ref_out, ref_s = plain_fusion(f, a, ln, adapters, "relu", fusion, query_before_ln)
@@ -125,11 +126,42 @@ def test_folded_fusion_with_absent_adapters(n_total, positions, query_before_ln)
     torch.testing.assert_close(s.sum(-1), torch.ones(f.shape[:2]), atol=TOL, rtol=0)
 
 
-def test_folded_fusion_needs_one_position_per_adapter():
+def test_block_needs_adapters_and_tasks():
     gen = torch.Generator().manual_seed(0)
-    adapters = [_adapter(gen, 4), _adapter(gen, 4)]
-    with pytest.raises(ValueError, match="2 adapters and 1 positions"):
-        FoldedFusionBlock(adapters, "relu", _fusion(gen, True, True, True), [0], 3, False)
+    with pytest.raises(ValueError, match="at least one adapter and one task"):
+        AdapterLayerBlock([_adapter(gen, 4)], "relu", [])
+
+
+def test_tasks_share_one_stack():
+    """Several tasks in one block (fusions over different subsets, a single adapter, nothing): each task index
+    gives exactly what that task alone gives."""
+    gen = torch.Generator().manual_seed(11)
+    stack = [_adapter(gen, r) for r in (8, 4, 8)]
+    fusions = [_fusion(gen, True, True, True), _fusion(gen, True, False, False)]
+    ln = _layer_norm(gen)
+    f, a = _inputs(gen)
+    tasks = [
+        fold_fusion(stack, 8, [0, 1, 2], fusions[0], False),
+        fold_fusion(stack, 8, [2, 0], fusions[1], True),
+        fold_adapter(stack, 8, 1),
+        fold_nothing(stack, 8),
+    ]
+    block = AdapterLayerBlock(stack, "gelu", tasks)
+    with torch.no_grad():
+        want = [
+            plain_fusion(f, a, ln, stack, "gelu", fusions[0], False)[0],
+            plain_fusion(f, a, ln, [stack[2], stack[0]], "gelu", fusions[1], True)[0],
+            plain_adapter(f, a, ln, stack[1], "gelu"),
+            ln(f + a),
+        ]
+    for t, ref in enumerate(want):
+        out, s = _run(block, f, a, ln, task=t)
+        torch.testing.assert_close(out, ref, atol=TOL, rtol=0, msg=f"task {t}")
+    _, s = _run(block, f, a, ln, task=3)
+    assert torch.all(s == 0)  # nothing mixed, nothing reported
+    _, s = _run(block, f, a, ln, task=2)
+    assert torch.all(s[..., 1] == 1) and torch.all(s[..., [0, 2]] == 0)
+    assert not torch.equal(want[0], want[1])
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -139,10 +171,10 @@ def test_adapter_block_equals_plain(act, r):
     adapter = _adapter(gen, r)
     ln = _layer_norm(gen)
     f, a = _inputs(gen)
-    out, s = _run(AdapterBlock(adapter, act), f, a, ln)
+    out, s = _run(AdapterLayerBlock([adapter], act, [fold_adapter([adapter], r, 0)]), f, a, ln)
     with torch.no_grad():
         ref = plain_adapter(f, a, ln, adapter, act)
-    assert s is None
+    assert torch.all(s == 1)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
     assert (ref - ln(f + a)).abs().max() > 1e-2  # the adapter changes the output: the comparison is not vacuous
 
@@ -170,7 +202,7 @@ def _encode(tok, texts, padding):
 def _forward(model, batch, task):
     kind = TASKS[task][0]
     with torch.no_grad():
-        out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task=task,
+        out = model.classify(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task=task,
                     return_fusion_activations=kind == "fusion")  # fmt: skip
     return out if kind == "fusion" else (out, None)
 

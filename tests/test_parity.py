@@ -26,7 +26,7 @@ def test_logits_match_adapterhub(built, ours, task):
     for what, batch in _batches(built.tokenizer):
         ref = built.reference_logits(task, dict(batch))
         with torch.no_grad():
-            got = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task=task)
+            got = ours.classify(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task=task)
         assert got.shape == ref.shape
         diff = (got - ref).abs().max().item()
         assert diff <= TOL, f"{task} {what}: max abs diff {diff:.2e}"
@@ -38,8 +38,8 @@ def test_tasks_differ(built, ours):
     """Guard against a test that cannot fail: adapters and fusion change the logits of a shared head size."""
     batch = built.tokenizer(SENTENCES, padding=True, return_tensors="pt")
     with torch.no_grad():
-        a = ours(batch["input_ids"], batch["attention_mask"], task="alpha_only")
-        h = ours(batch["input_ids"], batch["attention_mask"], task="head_only")
+        a = ours.classify(batch["input_ids"], batch["attention_mask"], task="alpha_only")
+        h = ours.classify(batch["input_ids"], batch["attention_mask"], task="head_only")
     assert (a - h).abs().max() > 1e-2
 
 
@@ -48,7 +48,7 @@ def test_fusion_activations_match_adapterhub(built, ours):
     built.reference_logits("rte", dict(batch))  # sets the active setup, T = 1
     with torch.no_grad():
         out = built.reference(**batch, output_adapter_fusion_attentions=True)
-        _, acts = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task="rte",
+        _, acts = ours.classify(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], task="rte",
                             return_fusion_activations=True)  # fmt: skip
     ref = out.adapter_fusion_attentions["alpha,beta,gamma"]
     assert acts.shape == (len(SENTENCES), 3, batch["input_ids"].shape[1], 3)
