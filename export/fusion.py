@@ -162,13 +162,14 @@ class AdapterLayerBlock(nn.Module):
         self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, r = self.n, self.r
+        b, t = f.shape[0], f.shape[1]  # explicit sizes: ONNX Runtime's symbolic shape inference follows them
         x = ln(f + a)  # (batch, seq, hidden)
-        h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).unflatten(-1, (n, r))  # (batch, seq, N, r)
+        h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).reshape(b, t, n, r)  # (batch, seq, N, r)
         query = torch.where(_pick(self.query_before_ln, task_id), f, x) if self.any_query_before_ln else x
         y = F.linear(query, _pick(self.score_w, task_id), _pick(self.score_b, task_id))  # (batch, seq, N*r + N)
-        g = y[..., : n * r].unflatten(-1, (n, r))  # (batch, seq, N, r)
+        g = y[..., : n * r].reshape(b, t, n, r)  # (batch, seq, N, r)
         scores = (h * g).sum(-1) + y[..., n * r :] + _pick(self.mask, task_id)  # (batch, seq, N)
         s = torch.softmax(scores, dim=-1) * _pick(self.gate, task_id)  # (batch, seq, N)
-        mixed = (h * s.unsqueeze(-1)).flatten(-2)  # (batch, seq, N*r)
+        mixed = (h * s.unsqueeze(-1)).reshape(b, t, n * r)  # (batch, seq, N*r)
         o = F.linear(mixed, _pick(self.out_w, task_id)) + s @ _pick(self.out_b, task_id)  # (batch, seq, hidden)
         return ln(o + f + a), s

@@ -12,13 +12,19 @@ from typing import Any, TextIO
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError, InputError
 
+from .artifact import MANIFEST, is_artifact, load_artifact, render_manifest
 from .predictions import Runner, TextInput, format_predictions, read_jsonl
 
 
 def _open_runner(model: str) -> Runner:
+    """An artifact folder runs on ONNX Runtime; a spec file on the PyTorch model (needs the [export] extra)."""
     path = Path(model)
+    if is_artifact(path):
+        from .runtime import OnnxRunner
+
+        return OnnxRunner(path)
     if path.is_dir():
-        raise InputError(f"{model} is a folder; give a spec file (.yaml/.yml/.json)")
+        raise InputError(f"{model} is a folder without {MANIFEST}: give an artifact folder (`fusionserve export`) or a spec file")
     from fusionserve.export.predict import TorchRunner  # torch only when a spec is given
 
     return TorchRunner(path)
@@ -76,7 +82,10 @@ def predict(
 
 
 def inspect(model: str, as_json: bool) -> str:
-    """Describe a spec: tasks, labels, adapters per layer, parameter counts."""
+    """Describe a spec (tasks, labels, adapters per layer, parameter counts) or an artifact (its manifest)."""
+    if is_artifact(Path(model)):
+        manifest = load_artifact(model).manifest
+        return json.dumps(manifest, indent=2) if as_json else render_manifest(manifest)
     from fusionserve.export.model import build_model
     from fusionserve.export.spec import load_spec
     from fusionserve.export.summary import render, summarize
@@ -91,8 +100,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fusionserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    pr = sub.add_parser("predict", help="classify texts with a model spec")
-    pr.add_argument("model", help="model spec file (YAML or JSON)")
+    ex = sub.add_parser("export", help="export a spec to a validated ONNX artifact folder")
+    ex.add_argument("model", help="model spec file (YAML or JSON)")
+    ex.add_argument("--out", required=True, type=Path, help="artifact folder to write")
+    ex.add_argument(
+        "--precision", choices=["fp32", "fp16"], default="fp32", help="fp16 halves the weights, for GPU (default fp32)"
+    )
+    ex.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="token limit recorded for serving (default: the tokenizer's, at most the model's positions)",
+    )
+    ex.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+    pr = sub.add_parser("predict", help="classify texts with an artifact folder or a model spec")
+    pr.add_argument("model", help="artifact folder (ONNX Runtime) or model spec file (PyTorch)")
     pr.add_argument("--task", required=True, help="target task to run")
     src = pr.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="one text to classify")
@@ -101,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", type=Path, help="write JSONL here instead of standard output")
     pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
 
-    ins = sub.add_parser("inspect", help="describe a model spec: tasks, labels, adapters per layer, parameters")
-    ins.add_argument("model", help="model spec file (YAML or JSON)")
+    ins = sub.add_parser("inspect", help="describe a spec or an artifact: tasks, labels, adapters per layer, parameters")
+    ins.add_argument("model", help="artifact folder or model spec file")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
@@ -112,6 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             print(inspect(args.model, args.json))
+            return 0
+        if args.command == "export":
+            from fusionserve.export.artifact import export_artifact
+
+            manifest = export_artifact(args.model, args.out, args.precision, args.max_seq_len, args.opset, args.force)
+            print(
+                f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "
+                f"max |diff| vs PyTorch {manifest['parity']['max_abs_diff']['logits']:.2g}, {manifest['fused_operators']['summary']}"
+            )
             return 0
         if args.batch_size < 1:
             raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")

@@ -1,0 +1,176 @@
+"""``fusionserve export``: spec -> validated artifact folder (see serving/artifact.py for the format).
+
+The artifact is built in a temporary folder beside the target and moved into place only after ONNX Runtime
+matched PyTorch on every task: a failed export leaves nothing behind."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from fusionserve import __version__
+from fusionserve.errors import FusionServeError
+from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
+
+from .model import FusionBertModel
+from .onnx_export import DEFAULT_OPSET, INPUTS, OUTPUTS, FusionReport, export_raw, optimize
+from .predict import load_tokenizer, max_length
+from .spec import ModelSpec, load_spec
+from .validate import check_parity, count_cases, cpu_session
+
+PRECISIONS = ("fp32", "fp16")
+
+
+def _source_checksums(spec: ModelSpec) -> dict[str, Any]:
+    root = spec.path.parent
+    folders = {spec.base_model, *spec.adapters.values()}
+    for t in spec.tasks.values():
+        folders |= {t.head} | ({t.fusion} if t.fusion else set())
+    files = {}
+    for folder in sorted(folders):
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            name = str(f.relative_to(root)) if f.is_relative_to(root) else str(f)
+            files[name] = sha256(f)
+    return {"spec": {"path": str(spec.path), "sha256": sha256(spec.path)}, "files": files}
+
+
+def _manifest(
+    spec: ModelSpec, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, pad_token: str
+) -> dict[str, Any]:
+    cfg = model.bert.config
+    stacks = [
+        [model.adapter_names[j] for j in getattr(model, f"expand_{i}").argmax(1).tolist()] for i in range(cfg.num_hidden_layers)
+    ]
+    return {
+        "fusionserve_version": __version__,
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "precision": precision,
+        "opset": opset,
+        "max_seq_len": max_seq_len,
+        "inputs": {
+            "input_ids": "int64 (batch, sequence)",
+            "attention_mask": "int64 (batch, sequence)",
+            "token_type_ids": "int64 (batch, sequence)",
+            "task_id": "int64 (1,): the task's index",
+        },
+        "outputs": {
+            "logits": f"float32 (batch, {model.max_labels}): the first len(labels) columns are the task's",
+            "fusion_activations": f"float32 (batch, {cfg.num_hidden_layers}, sequence, {len(model.adapter_names)}): "
+            "softmax weight of each adapter (columns: 'adapters') per layer and token",
+        },
+        "tokenizer": {"file": TOKENIZER_FILE, "pad_token": pad_token, "max_length": max_seq_len},
+        "base_model": {
+            "layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "attention_heads": cfg.num_attention_heads,
+            "vocab_size": cfg.vocab_size,
+        },
+        "adapters": list(model.adapter_names),
+        "adapters_per_layer": stacks,
+        "tasks": {
+            name: {
+                "index": model.task_index[name],
+                "kind": info.kind,
+                "labels": list(info.labels),
+                "adapters": list(info.adapters),
+                "adapters_per_layer": [list(layer) for layer in info.adapters_per_layer],
+            }
+            for name, info in model.infos.items()
+        },
+        "sources": _source_checksums(spec),
+    }
+
+
+def export_artifact(
+    spec_path: str | Path,
+    out: str | Path,
+    precision: str = "fp32",
+    max_seq_len: int | None = None,
+    opset: int = DEFAULT_OPSET,
+    force: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Export a spec to an artifact folder and return its manifest.
+
+    Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
+    Runtime disagrees with PyTorch beyond the tolerance) or FusionServeError (bad options, existing folder)."""
+    if precision not in PRECISIONS:
+        raise FusionServeError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
+    if not 7 <= opset <= 23:
+        raise FusionServeError(f"--opset must be between 7 and 23, got {opset}")
+    out = Path(out).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
+    steps = tqdm(
+        total=6, desc="export", unit="step", disable=not progress, file=sys.stderr, bar_format="{desc}: {n}/{total} {postfix}"
+    )
+
+    def step(what: str) -> None:
+        steps.set_postfix_str(what)
+        steps.update(1)
+
+    spec = load_spec(spec_path)
+    from .model import build_model
+
+    model = build_model(spec)
+    tok = load_tokenizer(spec.base_model)
+    limit = max_length(tok, model)
+    if max_seq_len is None:
+        max_seq_len = limit
+    elif not 8 <= max_seq_len <= model.bert.config.max_position_embeddings:
+        raise FusionServeError(
+            f"--max-seq-len must be between 8 and {model.bert.config.max_position_embeddings} (the model's positions), got {max_seq_len}"
+        )
+    step("model built")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
+    try:
+        raw = work / "raw.onnx"
+        export_raw(model, raw, opset)
+        step("ONNX exported")
+        report: FusionReport = optimize(raw, work / MODEL_FILE, model, precision)
+        for extra in work.glob("raw.onnx*"):
+            extra.unlink()
+        step(f"optimized ({report.describe()})")
+        if report.missing:
+            print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
+
+        session = cpu_session(work / MODEL_FILE)
+        with tqdm(
+            total=count_cases(model, max_seq_len),
+            desc="validate",
+            unit="case",
+            disable=not progress,
+            file=sys.stderr,
+            leave=False,
+        ) as bar:
+            parity = check_parity(session, model, precision, max_seq_len, progress=bar.update)
+        step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
+
+        tok.save_pretrained(str(work))
+        if not (work / TOKENIZER_FILE).is_file():
+            tok.backend_tokenizer.save(str(work / TOKENIZER_FILE))
+        manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token))
+        manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
+        manifest["parity"] = parity.as_dict()
+        manifest["io"] = {"inputs": list(INPUTS), "outputs": list(OUTPUTS)}
+        write_manifest(work, manifest)
+        step("manifest written")
+
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        work.rename(out)
+        step(f"written to {out}")
+    finally:
+        steps.close()
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    return manifest

@@ -1,0 +1,116 @@
+"""The folded model -> one ONNX graph, then ONNX Runtime's transformer optimizer (fused Attention,
+SkipLayerNormalization, EmbedLayerNormalization, BiasGelu) and, for GPU, fp16."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from fusionserve.errors import FusionServeError
+
+from .fusion import AdapterLayerBlock
+from .model import FusionBertModel
+
+INPUTS = ("input_ids", "attention_mask", "token_type_ids", "task_id")
+OUTPUTS = ("logits", "fusion_activations")
+DEFAULT_OPSET = 17
+# ONNX files are protobufs, capped at 2 GiB; past this size the weights go to an external data file.
+EXTERNAL_DATA_BYTES = 1_800_000_000
+
+
+class ExportError(FusionServeError):
+    """The graph could not be exported or optimized as asked."""
+
+
+@dataclass(frozen=True)
+class FusionReport:
+    """Fused-operator counts after optimization against what a fully fused BERT of this shape has."""
+
+    counts: dict[str, int]
+    expected: dict[str, int]
+
+    @property
+    def missing(self) -> dict[str, tuple[int, int]]:
+        """Operator -> (found, expected) for every kind that fused less than expected."""
+        return {op: (self.counts.get(op, 0), want) for op, want in self.expected.items() if self.counts.get(op, 0) < want}
+
+    def describe(self) -> str:
+        if not self.missing:
+            return "all fused: " + ", ".join(f"{op} {n}" for op, n in self.expected.items())
+        return "did not fuse: " + ", ".join(f"{op} {got}/{want}" for op, (got, want) in self.missing.items())
+
+
+def expected_fusions(model: FusionBertModel) -> dict[str, int]:
+    """Per layer one Attention, a SkipLayerNormalization after attention and after the FFN, one more where the
+    adapter stack adds its second LayerNorm; one EmbedLayerNormalization; BiasGelu where the FFN uses gelu."""
+    cfg = model.bert.config
+    layers = cfg.num_hidden_layers
+    with_adapters = sum(isinstance(b, AdapterLayerBlock) for b in model.blocks)
+    expected = {"EmbedLayerNormalization": 1, "Attention": layers, "SkipLayerNormalization": 2 * layers + with_adapters}
+    if cfg.hidden_act == "gelu":
+        expected["BiasGelu"] = layers
+    return expected
+
+
+def _sample_inputs(model: FusionBertModel) -> tuple[torch.Tensor, ...]:
+    ids = torch.full((2, 8), 1000 % model.bert.config.vocab_size, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    return ids, mask, torch.zeros_like(ids), torch.zeros(1, dtype=torch.long)
+
+
+def export_raw(model: FusionBertModel, path: Path, opset: int = DEFAULT_OPSET) -> None:
+    """Trace the model into ``path`` with the TorchScript exporter (the graph shape the optimizer's BERT
+    patterns expect); dynamic batch and sequence axes. Raises ExportError."""
+    model.eval()  # the tracer restores the wrapper's training flag onto submodules: keep it False
+    axes = {name: {0: "batch", 1: "sequence"} for name in INPUTS[:3]}
+    axes |= {"logits": {0: "batch"}, "fusion_activations": {0: "batch", 2: "sequence"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings about python control flow on constant shapes
+        try:
+            torch.onnx.export(
+                model,
+                _sample_inputs(model),
+                str(path),
+                dynamo=False,
+                opset_version=opset,
+                input_names=list(INPUTS),
+                output_names=list(OUTPUTS),
+                dynamic_axes=axes,
+                do_constant_folding=True,
+            )
+        except Exception as exc:  # the exporter raises many types; all mean the same thing to the user
+            raise ExportError(f"ONNX export failed (opset {opset}): {exc}") from exc
+
+
+def optimize(raw: Path, out: Path, model: FusionBertModel, precision: str) -> FusionReport:
+    """Apply ONNX Runtime's BERT fusions (and fp16 conversion) to ``raw``, write ``out``; returns the fused counts.
+
+    fp16 keeps inputs and outputs in their types, and keeps Softmax (the fusion weights) in fp32; the fused
+    kernels accumulate LayerNorm and attention in fp32 themselves."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    cfg = model.bert.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)  # the optimizer logs its own notes; what matters is checked below
+        try:
+            opt = optimize_model(
+                str(raw), model_type="bert", num_heads=cfg.num_attention_heads, hidden_size=cfg.hidden_size, opt_level=0
+            )
+        finally:
+            logging.disable(logging.NOTSET)
+    counts = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+    if precision == "fp16":
+        opt.convert_float_to_float16(keep_io_types=True, op_block_list=["Softmax"])
+    elif precision != "fp32":
+        raise ExportError(f"unknown precision '{precision}'; allowed: fp32, fp16")
+    size = opt.model.ByteSize()
+    opt.save_model_to_file(str(out), use_external_data_format=size > EXTERNAL_DATA_BYTES)
+    onnx.checker.check_model(str(out))
+    return FusionReport(counts, expected_fusions(model))

@@ -1,0 +1,115 @@
+"""Parity at export: ONNX Runtime against the PyTorch model over a grid of batch sizes and padded sequence
+lengths, for every task. Every failing output is collected, then one error lists the max diff of each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fusionserve.errors import FusionServeError
+
+from .model import FusionBertModel
+
+# Max abs diff allowed, per precision and output. fp16 rounds each of ~10 stored digits to ~3: a 5e-2 logit
+# error moves probabilities by about 1%.
+TOLERANCES = {"fp32": {"logits": 1e-4, "fusion_activations": 1e-4}, "fp16": {"logits": 5e-2, "fusion_activations": 5e-2}}
+BATCH_SIZES = (1, 3, 8)
+SEQ_LENS = (5, 37, 128)
+
+
+class ParityError(FusionServeError):
+    """ONNX Runtime and PyTorch disagree beyond the tolerance; no artifact was written."""
+
+
+@dataclass
+class ParityReport:
+    precision: str
+    tolerance: dict[str, float]
+    max_abs_diff: dict[str, float] = field(default_factory=dict)  # output -> worst over everything
+    worst: dict[str, str] = field(default_factory=dict)  # output -> where it happened
+    cases: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "precision": self.precision,
+            "tolerance": self.tolerance,
+            "max_abs_diff": self.max_abs_diff,
+            "worst_case": self.worst,
+            "cases": self.cases,
+            "grid": {"batch_sizes": list(BATCH_SIZES), "sequence_lengths": list(SEQ_LENS), "padded": True},
+            "reference": "fusionserve PyTorch model (fp32), itself checked against AdapterHub in the test suite",
+        }
+
+
+def grid_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[tuple[int, int, dict[str, np.ndarray]]]:
+    """(batch, seq, inputs): random ids, every batch padded (rows of different lengths), pairs' second
+    segment marked in token_type_ids."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for batch in BATCH_SIZES:
+        for seq in (s for s in SEQ_LENS if s <= max_seq_len):
+            ids = rng.integers(min(1000, vocab_size - 1) // 2, vocab_size, size=(batch, seq), dtype=np.int64)
+            lengths = rng.integers(max(2, seq // 3), seq + 1, size=batch)
+            lengths[0] = seq  # the longest row sets the width, as the tokenizer pads
+            mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+            types = ((np.arange(seq)[None, :] >= lengths[:, None] // 2) & (mask == 1)).astype(np.int64)
+            cases.append((batch, seq, {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types}))
+    return cases
+
+
+def check_parity(
+    session: object,
+    model: FusionBertModel,
+    precision: str,
+    max_seq_len: int,
+    progress: Callable[[int], None] | None = None,
+) -> ParityReport:
+    """Compare ``session`` (an onnxruntime.InferenceSession) with ``model`` for every task over the grid.
+
+    Raises ParityError listing each output's max diff when any exceeds the tolerance for ``precision``."""
+    tol = TOLERANCES[precision]
+    report = ParityReport(precision, tol, {k: 0.0 for k in tol})
+    cases = grid_inputs(model.bert.config.vocab_size, max_seq_len)
+    for task, index in model.task_index.items():
+        info = model.infos[task]
+        task_id = np.array([index], dtype=np.int64)
+        for batch, seq, feeds in cases:
+            got = session.run(None, {**feeds, "task_id": task_id})  # type: ignore[attr-defined]
+            with torch.inference_mode():
+                want = model(
+                    *(torch.from_numpy(feeds[k]) for k in ("input_ids", "attention_mask", "token_type_ids")),
+                    torch.from_numpy(task_id),
+                )
+            n = len(info.labels)
+            pairs = {"logits": (got[0][:, :n], want[0][:, :n].numpy()), "fusion_activations": (got[1], want[1].numpy())}
+            for name, (a, b) in pairs.items():
+                diff = float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+                if not np.isfinite(diff):
+                    diff = float("inf")
+                if diff >= report.max_abs_diff[name]:
+                    report.max_abs_diff[name] = diff
+                    report.worst[name] = f"task {task}, batch {batch}, sequence {seq}"
+            report.cases += 1
+            if progress is not None:
+                progress(1)
+    bad = [k for k, v in report.max_abs_diff.items() if not v <= tol[k]]
+    if bad:
+        lines = [f"  {k}: max |diff| {report.max_abs_diff[k]:.3g} (tolerance {tol[k]:g}) at {report.worst[k]}" for k in tol]
+        raise ParityError(f"ONNX Runtime disagrees with PyTorch ({precision}); no artifact written:\n" + "\n".join(lines))
+    return report
+
+
+def count_cases(model: FusionBertModel, max_seq_len: int) -> int:
+    return len(model.task_index) * len(BATCH_SIZES) * len([s for s in SEQ_LENS if s <= max_seq_len])
+
+
+def cpu_session(path: Path, providers: Sequence[str] | None = None) -> object:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=list(providers or ["CPUExecutionProvider"]))

@@ -1,0 +1,162 @@
+"""The artifact folder: the contract between export (torch) and serving (no torch).
+
+    model.onnx (+ model.onnx.data when large)   one graph for every task
+    tokenizer.json (+ the base model's other tokenizer files)
+    manifest.json                               what is in it, how it was made, and checksums of every file
+
+Reading an artifact checks the manifest and every checksum, so a tampered or half-copied folder fails with an
+error naming the file instead of serving wrong answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fusionserve.errors import FusionServeError
+
+FORMAT = "fusionserve-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+_REQUIRED = ("format", "format_version", "fusionserve_version", "precision", "opset", "max_seq_len", "inputs",
+             "outputs", "tokenizer", "adapters", "adapters_per_layer", "tasks", "files", "parity", "sources")  # fmt: skip
+
+
+class ArtifactError(FusionServeError):
+    """The artifact folder is missing files, was changed after export, or is not an artifact at all."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    name: str
+    index: int  # the value of the graph's task_id input
+    kind: str  # fusion | adapter | head
+    labels: tuple[str, ...]
+    adapters: tuple[str, ...]  # fusion: in the fusion's order
+
+
+@dataclass(frozen=True)
+class Artifact:
+    folder: Path
+    manifest: dict[str, Any]
+    tasks: dict[str, TaskEntry]
+
+    @property
+    def model_path(self) -> Path:
+        return self.folder / MODEL_FILE
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.folder / TOKENIZER_FILE
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """Columns of the graph's fusion_activations output."""
+        return tuple(self.manifest["adapters"])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.manifest["max_seq_len"])
+
+    @property
+    def pad_token(self) -> str:
+        return str(self.manifest["tokenizer"]["pad_token"])
+
+    def task(self, name: str) -> TaskEntry:
+        """The task called ``name``; raises ArtifactError naming the known tasks."""
+        if name not in self.tasks:
+            raise ArtifactError(f"unknown task '{name}'; known tasks: {', '.join(self.tasks)}")
+        return self.tasks[name]
+
+
+def is_artifact(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def load_artifact(folder: str | Path, verify: bool = True) -> Artifact:
+    """Read and check an artifact folder; raises ArtifactError naming the file and what is wrong."""
+    folder = Path(folder).resolve()
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise ArtifactError(f"artifact folder not found: {folder}")
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: no {MANIFEST}; is this a folder written by `fusionserve export`?")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: field 'format' must be '{FORMAT}'")
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing:
+        raise ArtifactError(f"{path}: missing field(s) {missing}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: format_version {manifest['format_version']!r} is not supported; this fusionserve reads {FORMAT_VERSION}"
+        )
+    files = manifest["files"]
+    if not isinstance(files, dict) or MODEL_FILE not in files or TOKENIZER_FILE not in files:
+        raise ArtifactError(f"{path}: field 'files' must list {MODEL_FILE} and {TOKENIZER_FILE} with their sha256")
+    for name, digest in files.items():
+        f = folder / name
+        if not f.is_file():
+            raise ArtifactError(f"{folder}: {name} is missing (the manifest lists it)")
+        if verify and sha256(f) != digest:
+            raise ArtifactError(f"{f}: checksum differs from the manifest; the file was changed after export")
+    tasks = {}
+    try:
+        for name, t in manifest["tasks"].items():
+            tasks[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ArtifactError(f"{path}: field 'tasks' is malformed ({exc!r})") from None
+    if not tasks:
+        raise ArtifactError(f"{path}: field 'tasks' is empty")
+    return Artifact(folder, manifest, tasks)
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Add checksums of every file in ``folder`` (but the manifest) and write manifest.json last."""
+    manifest = dict(manifest)
+    manifest["files"] = {p.name: sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest["format"], manifest["format_version"] = FORMAT, FORMAT_VERSION
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def render_manifest(manifest: dict[str, Any]) -> str:
+    """An artifact's manifest as text for a terminal."""
+    base = manifest.get("base_model", {})
+    parity = manifest["parity"]
+    lines = [
+        f"artifact    fusionserve {manifest['fusionserve_version']}, {manifest['precision']}, opset {manifest['opset']}, "
+        f"max {manifest['max_seq_len']} tokens",
+        f"base model  {base.get('layers')} layers, hidden {base.get('hidden_size')}, {base.get('attention_heads')} heads",
+        "parity      max |diff| vs PyTorch: "
+        + ", ".join(f"{k} {v:.2g}" for k, v in parity["max_abs_diff"].items())
+        + f" over {parity['cases']} cases (tolerance {parity['tolerance']['logits']:g})",
+        f"fused ops   {manifest.get('fused_operators', {}).get('summary', '?')}",
+        "adapters per layer",
+    ]
+    for i, stack in enumerate(manifest["adapters_per_layer"]):
+        lines.append(f"  L{i}: {', '.join(stack) or '-'}")
+    lines.append("tasks")
+    for name, t in manifest["tasks"].items():
+        what = {
+            "fusion": "fusion over " + ", ".join(t["adapters"]),
+            "adapter": f"adapter {', '.join(t['adapters'])}",
+            "head": "head only",
+        }
+        lines.append(f"  {name:<16} {what.get(t['kind'], t['kind'])}; labels: {', '.join(t['labels'])}")
+    return "\n".join(lines)
