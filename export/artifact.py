@@ -107,12 +107,10 @@ def export_artifact(
     out = Path(out).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
-    steps = tqdm(
-        total=6, desc="export", unit="step", disable=not progress, file=sys.stderr, bar_format="{desc}: {n}/{total} {postfix}"
-    )
+    steps = tqdm(total=6, desc="export", disable=not progress, file=sys.stderr, bar_format="{desc} [{n}/{total}, {elapsed}]")
 
     def step(what: str) -> None:
-        steps.set_postfix_str(what)
+        steps.set_description_str(f"export: {what}", refresh=False)
         steps.update(1)
 
     spec = load_spec(spec_path)
@@ -131,6 +129,7 @@ def export_artifact(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
         raw = work / "raw.onnx"
