@@ -19,7 +19,7 @@ from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
 
 from .model import FusionBertModel
-from .onnx_export import DEFAULT_OPSET, INPUTS, OUTPUTS, FusionReport, export_raw, optimize
+from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
 from .predict import load_tokenizer, max_length
 from .spec import ModelSpec, load_spec
 from .validate import check_parity, count_cases, cpu_session
@@ -44,9 +44,7 @@ def _manifest(
     spec: ModelSpec, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, pad_token: str
 ) -> dict[str, Any]:
     cfg = model.bert.config
-    stacks = [
-        [model.adapter_names[j] for j in getattr(model, f"expand_{i}").argmax(1).tolist()] for i in range(cfg.num_hidden_layers)
-    ]
+    stacks = [list(stack) for stack in model.stacks]
     return {
         "fusionserve_version": __version__,
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -160,7 +158,7 @@ def export_artifact(
         manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token))
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
-        manifest["io"] = {"inputs": list(INPUTS), "outputs": list(OUTPUTS)}
+        manifest["io"] = {"inputs": [i.name for i in session.get_inputs()], "outputs": list(OUTPUTS)}  # type: ignore[attr-defined]
         write_manifest(work, manifest)
         step("manifest written")
 

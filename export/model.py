@@ -82,6 +82,7 @@ class FusionBertModel(nn.Module):
         self.infos = {info.name: info for info in infos}
         self.task_index = {info.name: i for i, info in enumerate(infos)}
         self.adapter_names = adapter_names  # the columns of the fusion activations
+        self.stacks = stacks  # per layer, the adapters in its stack
         self.max_labels = max(len(info.labels) for info in infos)
         self.use_pooler = any(h.use_pooler for h in heads)
         for i, stack in enumerate(stacks):  # (N_layer, N_all) one-hot: layer stack -> activation columns

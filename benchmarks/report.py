@@ -1,0 +1,49 @@
+"""Recording benchmark figures: the machine they were measured on, and one section per benchmark in RESULTS.md."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import re
+from pathlib import Path
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for mod in ("onnxruntime", "torch"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = "-"
+    return {
+        "cpu": cpu,
+        "cores": str(len(os.sched_getaffinity(0))),
+        "python": f"Python {platform.python_version()}",
+        "date": dt.date.today().isoformat(),
+        **versions,
+    }
+
+
+def write_section(path: Path, key: str, title: str, body: str) -> None:
+    """Replace (or append) the section between ``<!-- key:start -->`` and ``<!-- key:end -->``."""
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
+    block = f"{start}\n## {title}\n\n{body.rstrip()}\n{end}"
+    text = (
+        path.read_text()
+        if path.exists()
+        else "# Benchmark results\n\nFigures recorded by the benchmarks, each with the command and machine that made it.\n"
+    )
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
