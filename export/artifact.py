@@ -128,7 +128,6 @@ def export_artifact(
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
-    work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
         raw = work / "raw.onnx"
         export_raw(model, raw, opset)
@@ -159,7 +158,7 @@ def export_artifact(
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
         manifest["io"] = {"inputs": [i.name for i in session.get_inputs()], "outputs": list(OUTPUTS)}  # type: ignore[attr-defined]
-        write_manifest(work, manifest)
+        manifest = write_manifest(work, manifest)
         step("manifest written")
 
         if out.exists():

@@ -127,12 +127,13 @@ def load_artifact(folder: str | Path, verify: bool = True) -> Artifact:
     return Artifact(folder, manifest, tasks)
 
 
-def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """Add checksums of every file in ``folder`` (but the manifest) and write manifest.json last."""
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Add checksums of every file in ``folder`` (but the manifest) and write manifest.json last; returns what it wrote."""
     manifest = dict(manifest)
     manifest["files"] = {p.name: sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest["format"], manifest["format_version"] = FORMAT, FORMAT_VERSION
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
 
 
 def render_manifest(manifest: dict[str, Any]) -> str:
