@@ -6,6 +6,7 @@ Variants, all timed in one process, round-robin (each round runs every variant o
 machine noise hits all of them alike); the median over rounds after warm-up is reported:
 
 - ``plain (ORT)``: backbone + head only, exported by fusionserve (same runtime, same fusions)
+- ``plain (PyTorch eager)``: the same backbone + head in PyTorch eager, to show what the runtime itself gives
 - ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
 - ``fusionserve eager N``: the same folded model in PyTorch eager
@@ -127,6 +128,7 @@ def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int
         feeds = _feeds(batch, seq, vocab)
         feeds3 = dict(feeds, task_id=np.array([3], dtype=np.int64))
         variants: dict[str, Callable[[], object]] = {"plain (ORT)": _ort(arts["plain"], feeds)}
+        variants["plain (PyTorch eager)"] = _eager_ours(plain.spec, feeds, "task0")
         for n, m in fused.items():
             variants[f"fusion N={n} (ORT)"] = _ort(arts[f"n{n}"], feeds)
             variants[f"fusionserve eager N={n}"] = _eager_ours(m.spec, feeds, "task0")

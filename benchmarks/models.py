@@ -67,10 +67,14 @@ def build(root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int =
             # rotate the order so each task's fusion is a distinct AdapterHub fusion over the same adapters
             order = names[t:] + names[:t]
             model.add_adapter_fusion(Fuse(*order), config="dynamic")
+    # small perturbations: large random query/key matrices at hidden 768 make a needle-sharp softmax, whose
+    # float rounding differences between runtimes exceed the export parity check (trained fusions are smoother)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "adapters." in pname or "adapter_fusion_layer" in pname:
-                p.add_(torch.randn_like(p) * 0.05)
+            if "adapters." in pname:
+                p.add_(torch.randn_like(p) * 0.02)
+            elif "adapter_fusion_layer" in pname:
+                p.add_(torch.randn_like(p) * 0.002)
     model.eval()
     for name in names:
         model.save_adapter(str(root / "adapters" / name), name)

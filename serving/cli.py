@@ -124,6 +124,19 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", type=Path, help="write JSONL here instead of standard output")
     pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
 
+    sv = sub.add_parser("serve", help="serve an artifact over HTTP with Ray Serve (Ctrl-C stops)")
+    sv.add_argument("artifact", nargs="?", help="artifact folder written by `fusionserve export`")
+    sv.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1; see the README's security notes)")
+    sv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    sv.add_argument("--replicas", type=int, default=1, help="model replicas, each with its own ONNX Runtime session (default 1)")
+    sv.add_argument("--threads", type=int, help="ONNX Runtime threads per replica (default: CPUs / replicas)")
+    sv.add_argument("--max-batch-size", type=int, default=32, help="most texts in one model call (default 32)")
+    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits to fill (default 5)")
+    sv.add_argument("--max-ongoing", type=int, help="requests a replica holds at once (default 2 x max batch size)")
+    sv.add_argument("--max-queued", type=int, default=64, help="requests waiting for a replica before 503 (default 64)")
+    sv.add_argument("--max-inputs", type=int, default=64, help="most inputs in one request, else 413 (default 64)")
+    sv.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body, else 413 (default 1000000)")
+
     ins = sub.add_parser("inspect", help="describe a spec or an artifact: tasks, labels, adapters per layer, parameters")
     ins.add_argument("model", help="artifact folder or model spec file")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -135,6 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             print(inspect(args.model, args.json))
+            return 0
+        if args.command == "serve":
+            from .server import ServerConfig, serve_forever
+
+            if args.artifact is None:
+                raise InputError("give an artifact folder (fusionserve export SPEC --out DIR)")
+            cfg = ServerConfig(
+                Path(args.artifact), args.host, args.port, args.replicas, args.max_batch_size, args.batch_wait_ms,
+                args.max_queued, args.max_ongoing, args.max_inputs, args.max_body_bytes, args.threads,
+            )  # fmt: skip
+            serve_forever(cfg)
             return 0
         if args.command == "export":
             from fusionserve.export.artifact import export_artifact

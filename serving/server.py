@@ -1,0 +1,102 @@
+"""Start Ray Serve with the fusionserve application, wait, shut everything down on Ctrl-C (or SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fusionserve.errors import FusionServeError
+
+from .artifact import load_artifact
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``fusionserve serve`` takes; validated here, once."""
+
+    artifact: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    max_batch_size: int = 32
+    batch_wait_ms: float = 5.0
+    max_queued: int = 64
+    max_ongoing: int | None = None
+    max_inputs: int = 64
+    max_body_bytes: int = 1_000_000
+    threads: int | None = None  # per replica; default: this machine's CPUs / replicas
+
+    def __post_init__(self) -> None:
+        checks = {
+            "--port": (self.port, 0 <= self.port <= 65535, "0..65535"),
+            "--replicas": (self.replicas, self.replicas >= 1, ">= 1"),
+            "--max-batch-size": (self.max_batch_size, self.max_batch_size >= 1, ">= 1"),
+            "--batch-wait-ms": (self.batch_wait_ms, 0 <= self.batch_wait_ms <= 10_000, "0..10000"),
+            "--max-queued": (self.max_queued, self.max_queued >= 0, ">= 0"),
+            "--max-inputs": (self.max_inputs, self.max_inputs >= 1, ">= 1"),
+            "--max-body-bytes": (self.max_body_bytes, self.max_body_bytes >= 1024, ">= 1024"),
+        }
+        for name, (value, ok, allowed) in checks.items():
+            if not ok:
+                raise FusionServeError(f"{name} = {value} is out of range; allowed: {allowed}")
+        if self.threads is not None and self.threads < 1:
+            raise FusionServeError(f"--threads = {self.threads} is out of range; allowed: >= 1")
+
+    @property
+    def threads_per_replica(self) -> int:
+        return self.threads or max(1, len(os.sched_getaffinity(0)) // self.replicas)
+
+
+def build_app(cfg: ServerConfig) -> Any:
+    """The Serve application: ingress (HTTP, validation, metrics) -> model replicas (batching, ONNX Runtime)."""
+    from .app import Ingress, Limits
+    from .model import deployment
+
+    load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
+    model = deployment(cfg.replicas, cfg.threads_per_replica, cfg.max_batch_size, cfg.max_queued, cfg.max_ongoing).bind(
+        str(cfg.artifact), cfg.max_batch_size, cfg.batch_wait_ms / 1000, cfg.threads_per_replica
+    )
+    return Ingress.bind(model, str(cfg.artifact), Limits(cfg.max_inputs, cfg.max_body_bytes))
+
+
+def start(cfg: ServerConfig) -> str:
+    """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port, and deploy; returns the base URL."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline server
+    import ray
+    from ray import serve
+
+    app = build_app(cfg)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(app, name="fusionserve", route_prefix="/")
+    return f"http://{cfg.host}:{cfg.port}"
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_forever(cfg: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    url = start(cfg)
+    print(f"fusionserve: serving {cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        done.wait()
+    finally:
+        print("fusionserve: shutting down", file=sys.stderr, flush=True)
+        stop()
