@@ -1,0 +1,213 @@
+"""End to end: the real `fusionserve serve` (Ray Serve, ONNX Runtime) on 127.0.0.1 with a tiny exported artifact,
+spoken to over HTTP. One server for the module (Ray takes seconds to start); stopped with SIGINT at the end."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fusionserve.export.artifact import export_artifact
+from fusionserve.serving.predictions import TextInput, softmax
+from fusionserve.serving.runtime import OnnxRunner
+from tests.adapterhub_models import PAIRS, SENTENCES
+
+pytestmark = pytest.mark.slow
+
+MAX_SEQ_LEN = 32
+MAX_INPUTS = 8
+MAX_BODY = 4096
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        text = err.read()
+        return err.code, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
+
+
+@pytest.fixture(scope="module")
+def artifact(built_st, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "art"
+    export_artifact(built_st.spec, out, max_seq_len=MAX_SEQ_LEN, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "fusionserve.serving.cli", "serve", str(artifact), "--port", str(port),
+           "--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "--max-batch-size", "4",
+           "--batch-wait-ms", "100", "--max-ongoing", "4", "--max-queued", "4", "--threads", "1"]  # fmt: skip
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if _call(url + "/readyz", timeout=5)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"server not ready in 180 s:\n{log.read_text()[-3000:]}")
+    yield url, proc, log
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def local(artifact) -> OnnxRunner:
+    return OnnxRunner(artifact, prefer_gpu=False)
+
+
+def test_classify_texts_and_pairs_for_two_tasks(server, local):
+    url = server[0]
+    for task in ("rte", "alpha_only"):
+        inputs = [SENTENCES[0], {"text": PAIRS[0][0], "text_pair": PAIRS[0][1]}, SENTENCES[2]]
+        status, body = _call(url + "/v1/classify", {"task": task, "inputs": inputs})
+        assert status == 200, body
+        assert body["task"] == task and len(body["predictions"]) == 3
+        want, _ = local.logits(task, [TextInput(SENTENCES[0]), TextInput(*PAIRS[0]), TextInput(SENTENCES[2])])
+        probs = softmax(want.astype(np.float64))
+        labels = local.labels[task]
+        for pred, p in zip(body["predictions"], probs, strict=True):
+            assert list(pred["scores"]) == list(labels)
+            np.testing.assert_allclose([pred["scores"][lab] for lab in labels], p, atol=1e-5)
+            assert pred["label"] == labels[int(np.argmax(p))] and pred["score"] == pytest.approx(p.max(), abs=1e-5)
+            assert pred["truncated"] is False
+
+
+def test_fusion_activations_on_request(server, local):
+    status, body = _call(server[0] + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[1]], "return_fusion_activations": True})
+    assert status == 200, body
+    acts = body["fusion_activations"]
+    assert acts["adapters"] == ["alpha", "beta", "gamma"]
+    values = np.asarray(acts["values"])  # (inputs, layers, adapters)
+    assert values.shape == (1, 3, 3)
+    np.testing.assert_allclose(values.sum(-1), 1.0, atol=1e-4)
+    assert values[0, 1, 1] == 0  # beta is left out of layer 1
+    enc = local.encoder.encode([TextInput(SENTENCES[1])])
+    ref = local.run("rte", enc, return_fusion_activations=True).fusion_activations.mean(axis=2)
+    np.testing.assert_allclose(values, ref, atol=1e-5)
+
+
+BAD = [
+    ("empty list", {"task": "rte", "inputs": []}, 422, "at least 1 item"),
+    ("empty text", {"task": "rte", "inputs": ["ok", "  "]}, 422, "inputs[1]: must be a non-empty string"),
+    ("non-string text", {"task": "rte", "inputs": [42]}, 422, "inputs[0]: must be a non-empty string"),
+    ("empty pair text", {"task": "rte", "inputs": [{"text": "a", "text_pair": ""}]}, 422, "inputs[0]"),
+    ("unknown field", {"task": "rte", "inputs": ["a"], "colour": 1}, 422, "colour"),
+    ("too many inputs", {"task": "rte", "inputs": ["a"] * (MAX_INPUTS + 1)}, 413, f"the limit is {MAX_INPUTS}"),
+    ("unknown task", {"task": "nope", "inputs": ["a"]}, 404, "unknown task 'nope'; known tasks: rte, nli"),
+    ("over token limit, strict", {"task": "rte", "inputs": ["movie " * 60], "strict": True}, 413, f"the limit is {MAX_SEQ_LEN}"),
+    ("activations of a non-fusion task", {"task": "alpha_only", "inputs": ["a"], "return_fusion_activations": True}, 422, "no fusion layer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "body", "status", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_message(server, what, body, status, message):
+    got, answer = _call(server[0] + "/v1/classify", body)
+    assert got == status, answer
+    assert message in answer["error"]["message"], answer
+
+
+def test_malformed_json_and_oversized_body(server):
+    url = server[0] + "/v1/classify"
+    status, body = _call(url, raw=b'{"task": "rte", "inputs": [')
+    assert status == 422 and body["error"]["type"] == "malformed_json"
+    status, body = _call(url, raw=json.dumps({"task": "rte", "inputs": ["x" * MAX_BODY]}).encode())
+    assert status == 413 and f"the limit is {MAX_BODY}" in body["error"]["message"]
+
+
+def test_long_text_is_truncated_and_flagged(server):
+    status, body = _call(server[0] + "/v1/classify", {"task": "head_only", "inputs": ["movie " * 60, "short"]})
+    assert status == 200
+    assert [p["truncated"] for p in body["predictions"]] == [True, False]
+
+
+def test_tasks_health_and_docs(server):
+    url = server[0]
+    status, tasks = _call(url + "/v1/tasks")
+    assert status == 200 and tasks["tasks"]["rte"]["labels"] == ["entailment", "neutral", "contradiction"]
+    assert tasks["max_seq_len"] == MAX_SEQ_LEN
+    assert _call(url + "/healthz") == (200, {"status": "ok"})
+    assert _call(url + "/readyz") == (200, {"status": "ready"})
+    status, spec = _call(url + "/openapi.json")
+    assert status == 200
+    schema = spec["paths"]["/v1/classify"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "inputs" in schema["properties"] and "return_fusion_activations" in schema["properties"]
+
+
+def test_concurrent_requests_are_batched_and_metrics_parse(server):
+    url = server[0]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda s: _call(url + "/v1/classify", {"task": "nli", "inputs": [s]}), SENTENCES * 3))
+    assert all(status in (200, 503) for status, _ in answers)
+    assert sum(status == 200 for status, _ in answers) >= 4
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    sizes = {s.name: s.value for s in families["fusionserve_batch_size_inputs"].samples if s.labels.get("task") == "nli"}
+    assert sizes["fusionserve_batch_size_inputs_count"] >= 1
+    assert sizes["fusionserve_batch_size_inputs_sum"] > sizes["fusionserve_batch_size_inputs_count"]  # some batch held > 1
+    for name in ("fusionserve_request_duration_seconds", "fusionserve_queue_wait_seconds", "fusionserve_model_duration_seconds",
+                 "fusionserve_batch_tokens", "fusionserve_rejected_requests", "fusionserve_inputs"):  # fmt: skip
+        assert name in families, name
+    means = [s for s in families["fusionserve_fusion_activation_mean_ratio"].samples if s.labels["task"] == "nli"]
+    assert {s.labels["adapter"] for s in means} == {"alpha", "beta"} and all(0 <= s.value <= 1 for s in means)
+    rejected = {s.labels["reason"] for s in families["fusionserve_rejected_requests"].samples if s.name.endswith("_total")}
+    assert "unknown_task" in rejected
+
+
+def test_overload_is_answered_503_quickly_and_the_server_keeps_serving(server):
+    url = server[0]
+    body = {"task": "custom", "inputs": SENTENCES[:4]}
+    with ThreadPoolExecutor(40) as pool:
+        started = time.time()
+        answers = list(pool.map(lambda _: (_call(url + "/v1/classify", body), time.time() - started), range(40)))
+    statuses = [a[0][0] for a in answers]
+    assert set(statuses) <= {200, 503}, statuses
+    assert 503 in statuses and 200 in statuses
+    refused = [a for a in answers if a[0][0] == 503]
+    assert all(a[0][1]["error"]["type"] == "overloaded" for a in refused)
+    assert _call(url + "/v1/classify", {"task": "rte", "inputs": ["still here"]})[0] == 200
+
+
+def test_sigint_shuts_down_cleanly(server):
+    url, proc, log = server
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, log.read_text()[-2000:]
+    assert "shutting down" in log.read_text()
+    with pytest.raises(OSError):
+        _call(url + "/healthz", timeout=3)
