@@ -1,0 +1,1 @@
+"""Training-side helpers: the real labelled datasets (``datasets``) and the registry packages they ship in (``sources``)."""
