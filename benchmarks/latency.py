@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder
-from benchmarks.report import machine, write_section
+from benchmarks.report import machine, record
 
 HERE = Path(__file__).parent
 N_VALUES = (2, 8, 16)
@@ -244,13 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     for geo in args.geometries:
         base = minilm_folder() if geo == "minilm" else bert_base_folder(args.workdir)
         results.append(run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "latency.json").write_text(json.dumps({"command": command, "machine": machine(), "results": results}, indent=2))
-    plot(results, args.out / "latency.png")
+    data = {"command": command, "machine": machine(), "results": results}
     text = markdown(results, command.strip())
-    print(text)
-    if not args.no_record:
-        write_section(HERE / "RESULTS.md", "latency", "Latency (in-process)", text + "\n![latency vs N](results/latency.png)\n")
+    record(args.out, "latency", "Latency (in-process)", data, lambda path: plot(results, path), text, not args.no_record)
     return 0
 
 

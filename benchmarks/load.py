@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import machine, write_section
+from benchmarks.report import machine, record
 
 HERE = Path(__file__).parent
 FALLBACK_TEXTS = [
@@ -227,13 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     result["in_process"] = in_process(args.artifact, task, texts, sizes, cfg.threads_per_replica, min(args.seconds, 10))
     print(f"  in-process: {result['in_process']}", file=sys.stderr)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "load.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "load.png")
     text = markdown(result, command.strip())
-    print(text)
-    if not args.no_record:
-        write_section(HERE / "RESULTS.md", "load", "Load (HTTP, Ray Serve)", text + "\n![load](results/load.png)\n")
+    record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), text, not args.no_record)
     return 0
 
 

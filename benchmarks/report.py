@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
 def machine() -> dict[str, str]:
@@ -47,3 +52,16 @@ def write_section(path: Path, key: str, title: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def record(
+    out_dir: Path, key: str, title: str, data: dict[str, Any], plot: Callable[[Path], None], text: str, to_results: bool
+) -> None:
+    """Write ``<key>.json`` and ``<key>.png`` under ``out_dir``, print the table, and (unless told not to) put it
+    with the plot into its section of RESULTS.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{key}.json").write_text(json.dumps(data, indent=2))
+    plot(out_dir / f"{key}.png")
+    print(text)
+    if to_results:
+        write_section(RESULTS, key, title, text + f"\n![{key}](results/{key}.png)\n")
