@@ -165,14 +165,17 @@ def ratios(res: dict) -> dict[str, dict[str, float]]:
         r["4-task graph / 1-task graph (N=8)"] = (
             row["fusion N=8, 4 tasks (ORT)"]["median_ms"] / row["fusion N=8 (ORT)"]["median_ms"]
         )
+        r["plain PyTorch eager / plain ORT"] = row["plain (PyTorch eager)"]["median_ms"] / plain
         out[batch] = r
     return out
 
 
-def markdown(results: list[dict], command: str) -> str:
+def markdown(results: list[dict], commands: list[str]) -> str:
     m = machine()
     lines = [
-        f"Command: `{command}`",
+        "Command: "
+        + ", then ".join(f"`{c}`" for c in commands)
+        + (" (the second re-measured one geometry)" if len(commands) > 1 else ""),
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {THREADS} threads per run; {m['python']}, onnxruntime {m['onnxruntime']}, "
         f"torch {m['torch']}; {m['date']}. Median of round-robin rounds after 2 warm-up calls each, sequence length "
@@ -235,8 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
+    p.add_argument("--render-only", action="store_true", help="redo table and plot from the recorded results/latency.json")
+    p.add_argument(
+        "--keep-others", action="store_true", help="keep the recorded results of geometries not run now (re-measure one geometry)"
+    )
     args = p.parse_args(argv)
 
+    if args.render_only:
+        data = json.loads((args.out / "latency.json").read_text())
+        commands = data.get("commands", [data["command"]])
+        record(
+            args.out,
+            "latency",
+            "Latency (in-process)",
+            data,
+            lambda path: plot(data["results"], path),
+            markdown(data["results"], commands),
+            True,
+        )
+        return 0
     torch.set_num_threads(THREADS)
     torch.set_num_interop_threads(1)
     command = "python -m benchmarks.latency " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -244,8 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     for geo in args.geometries:
         base = minilm_folder() if geo == "minilm" else bert_base_folder(args.workdir)
         results.append(run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale))
-    data = {"command": command, "machine": machine(), "results": results}
-    text = markdown(results, command.strip())
+    commands = [command.strip()]
+    previous = args.out / "latency.json"
+    if args.keep_others and previous.is_file():
+        old = json.loads(previous.read_text())
+        kept = [r for r in old["results"] if r["geometry"] not in args.geometries]
+        if kept:
+            results = [*kept, *results] if kept[0]["geometry"] == "minilm" else [*results, *kept]
+            commands = [*old.get("commands", [old["command"]]), *commands]
+    data = {"command": " && ".join(commands), "commands": commands, "machine": machine(), "results": results}
+    text = markdown(results, commands)
     record(args.out, "latency", "Latency (in-process)", data, lambda path: plot(results, path), text, not args.no_record)
     return 0
 
