@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     art = load_artifact(args.artifact)
     task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
     texts = load_texts(args.texts)
-    cfg = ServerConfig(args.artifact, port=args.port, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms,
-                       max_queued=2 * args.max_batch_size)  # fmt: skip
+    cfg = ServerConfig(args.artifact, port=args.port, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms)
     command = "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"load: starting the server ({task}, {len(texts)} texts)", file=sys.stderr)
     start(cfg)

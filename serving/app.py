@@ -1,77 +1,33 @@
-"""The HTTP ingress: FastAPI routes, request validation and the one place where errors become status codes.
+"""The Ray Serve deployment: FastAPI routes in front of one ONNX Runtime session, in one replica process.
 
-Bad input is refused here, before the model: 422 for a malformed body or bad fields, 404 for an unknown task,
-413 for a body or request over the limits (or a text over the token limit in strict mode), 503 when the model's
-queues are full. Nothing the caller sends can produce a 500.
+HTTP handling and the model share the replica so a request crosses one Ray hop (proxy -> replica), the same as
+a no-op deployment; `--replicas` runs more of them. Bad input is refused here, before the model: 422 for a
+malformed body or bad fields, 404 for an unknown task, 413 for a body or request over the limits (or a text
+over the token limit in strict mode); when the replicas' queues are full Serve answers 503. Nothing the caller
+sends can produce a 500.
 """
 
+import asyncio
 import json
+import os
 import time
-from dataclasses import dataclass
-from typing import Annotated, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
 from fusionserve import __version__
 
-from .artifact import load_artifact
+from .artifact import TaskEntry, load_artifact
+from .batching import BatchRunner, Job, JobResult
 from .metrics import Metrics
-from .predictions import softmax
-from .tokenize import Encoder
-
-Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=r"\S")]
-
-
-class PairInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    text: Text
-    text_pair: Text | None = Field(None, description="second text of a pair, encoded as [CLS] text [SEP] text_pair [SEP]")
-
-
-class ClassifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    task: str = Field(description="a task of the served artifact (GET /v1/tasks)")
-    inputs: list[Text | PairInput] = Field(min_length=1, description="plain texts and/or {text, text_pair} objects")
-    return_fusion_activations: bool = Field(
-        False, description="add per input the fusion weights per layer and adapter, averaged over its tokens"
-    )
-    strict: bool = Field(False, description="refuse (413) an input over the token limit instead of truncating it")
-
-
-class Prediction(BaseModel):
-    label: str
-    score: float
-    scores: dict[str, float]
-    truncated: bool = Field(False, description="the input was cut to the token limit")
-
-
-class FusionActivations(BaseModel):
-    adapters: list[str]
-    values: list[list[list[float]]] = Field(description="per input, per layer, per adapter (in 'adapters' order)")
-
-
-class ClassifyResponse(BaseModel):
-    task: str
-    predictions: list[Prediction]
-    fusion_activations: FusionActivations | None = None
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_inputs: int = 64
-    max_body_bytes: int = 1_000_000
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
-
+from .predictions import TextInput, softmax
+from .runtime import OnnxRunner
+from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, describe_validation_error
 
 app = FastAPI(
     title="fusionserve",
@@ -79,34 +35,53 @@ app = FastAPI(
     description="AdapterFusion classification over one ONNX graph. Every task of the artifact behind one endpoint.",
 )
 
-
-def _describe(exc: ValidationError) -> str:
-    """One line per bad field; an input that is neither a text nor a pair object is named once, not per union arm."""
-    problems: dict[str, str] = {}
-    for e in exc.errors():
-        loc = e["loc"]
-        if len(loc) >= 2 and loc[0] == "inputs" and isinstance(loc[1], int):
-            item = e.get("input")
-            where = f"inputs[{loc[1]}]"
-            problems.setdefault(
-                where, f'{where}: must be a non-empty string or an object {{"text": ..., "text_pair": ...}}, got {item!r:.60}'
-            )
-        else:
-            where = ".".join(str(p) for p in loc) or "body"
-            problems.setdefault(where, f"{where}: {e['msg'].lower()}")
-    return "; ".join(list(problems.values())[:5])
+Queue = Callable[[Job], Coroutine[Any, Any, JobResult]]
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+def _answer(task: str, entry: TaskEntry, result: JobResult, with_acts: bool) -> dict[str, Any]:
+    probs = softmax(np.asarray(result.logits, dtype=np.float64))
+    preds = []
+    for p, cut in zip(probs, result.truncated, strict=True):
+        best = int(np.argmax(p))
+        scores = {lab: round(float(v), 6) for lab, v in zip(entry.labels, p, strict=True)}
+        preds.append({"label": entry.labels[best], "score": round(float(p[best]), 6), "scores": scores, "truncated": bool(cut)})
+    out: dict[str, Any] = {"task": task, "predictions": preds}
+    if with_acts and result.activations is not None:
+        values = [[[round(v, 6) for v in row] for row in per] for per in result.activations]
+        out["fusion_activations"] = {"adapters": list(entry.adapters), "values": values}
+    return out
+
+
 @serve.ingress(app)
-class Ingress:
-    def __init__(self, model: Any, artifact_dir: str, limits: Limits) -> None:
-        self.model = model
-        self.artifact = load_artifact(artifact_dir, verify=False)  # the replicas verified it
-        self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
+class FusionServe:
+    """One replica: validation, per-task dynamic batching (one ``@serve.batch`` queue per task, so tasks never
+    wait for each other), one ONNX Runtime session, metrics."""
+
+    def __init__(self, artifact_dir: str, limits: Limits, max_batch_size: int, batch_wait_s: float, threads: int | None) -> None:
+        self.artifact = load_artifact(artifact_dir)
+        # no spinning: between runs the cores belong to the HTTP proxy and the event loop
+        runner = OnnxRunner(self.artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False)
+        self.runner = BatchRunner(runner)
+        self.encoder = runner.encoder
         self.limits = limits
         self.metrics = Metrics()
+        self.queues: dict[str, Queue] = {}
+        for task in self.artifact.tasks:
+            # batch_size_fn: a request with k inputs takes k places, so the model never sees more than
+            # max_batch_size texts at once
+            self.queues[task] = serve.batch(
+                max_batch_size=max_batch_size,
+                batch_wait_timeout_s=batch_wait_s,
+                batch_size_fn=lambda jobs: sum(len(j.inputs) for j in jobs),
+            )(self._batch_handler(task))
         self._ready_at = 0.0
+
+    def _batch_handler(self, task: str) -> Callable[[list[Job]], Coroutine[Any, Any, list[JobResult]]]:
+        async def handle(jobs: list[Job]) -> list[JobResult]:
+            # the session runs in a worker thread, so the event loop keeps taking requests meanwhile
+            return await asyncio.to_thread(self.runner.run, task, jobs)
+
+        return handle
 
     # --- routes ---------------------------------------------------------------------------------------------
 
@@ -126,13 +101,12 @@ class Ingress:
     async def classify(self, request: Request) -> Response:
         """Classify texts (or text pairs) for one task."""
         started = time.perf_counter()
-        task = "-"
+        task = "-"  # only known task names become metric labels
         try:
-            body = await self._read_body(request)
-            req = self._parse(body)
+            req = self._parse(await self._read_body(request))
             entry = self._task(req.task)
-            task = req.task  # only known task names become metric labels
-            inputs = [(i, None) if isinstance(i, str) else (i.text, i.text_pair) for i in req.inputs]
+            task = req.task
+            inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
             if len(inputs) > self.limits.max_inputs:
                 raise HTTPError(
                     413, "too_many_inputs", f"{len(inputs)} inputs in one request; the limit is {self.limits.max_inputs}"
@@ -143,25 +117,18 @@ class Ingress:
                 raise HTTPError(
                     422, "no_fusion", f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations"
                 )
-            try:
-                result = await self.model.classify.remote(task, inputs, req.return_fusion_activations)
-            except BackPressureError:
-                raise HTTPError(503, "overloaded", "the model's queues are full; retry shortly", {"Retry-After": "1"}) from None
+            result = await self.queues[task](Job(task, inputs, req.return_fusion_activations))
             self.metrics.observe_result(task, result, entry.adapters)
-            payload = self._answer(task, entry.labels, entry.adapters, result, req.return_fusion_activations)
+            payload = _answer(task, entry, result, req.return_fusion_activations)
             return self._done(task, 200, started, JSONResponse(payload))
         except HTTPError as err:
             self.metrics.rejected.labels(err.reason).inc()
-            return self._done(
-                task,
-                err.status,
-                started,
-                JSONResponse({"error": {"type": err.reason, "message": err.message}}, err.status, err.headers),
-            )
+            body = {"error": {"type": err.reason, "message": err.message}}
+            return self._done(task, err.status, started, JSONResponse(body, err.status, err.headers))
 
     @app.get("/v1/tasks")
     async def tasks(self) -> dict[str, Any]:
-        """Served tasks with their labels and adapters, and the token limit."""
+        """Served tasks with their labels and adapters, and the limits."""
         return {
             "max_seq_len": self.artifact.max_seq_len,
             "max_inputs_per_request": self.limits.max_inputs,
@@ -173,16 +140,16 @@ class Ingress:
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
-        """The HTTP ingress is alive."""
+        """The replica is alive."""
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz(self) -> Response:
-        """The model is loaded and answers a real request (checked at most every 5 s)."""
+        """The model answers a real request (checked at most every 5 s)."""
         if time.monotonic() - self._ready_at > 5.0:
             task = next(iter(self.artifact.tasks))
             try:
-                await self.model.classify.remote(task, [("ready", None)], False)
+                await self.queues[task](Job(task, (TextInput("ready"),)))
             except Exception as exc:  # any failure of the model path means not ready; say which
                 return JSONResponse({"status": "not ready", "error": f"{type(exc).__name__}: {exc}"}, 503)
             self._ready_at = time.monotonic()
@@ -190,8 +157,9 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        """Prometheus text format."""
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus text format (all replicas on this node, see serving/metrics.py)."""
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
 
     # --- helpers --------------------------------------------------------------------------------------------
 
@@ -204,7 +172,7 @@ class Ingress:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise HTTPError(413, "body_too_large", f"request body over {limit} bytes")
+                raise HTTPError(413, "body_too_large", f"request body over {limit} bytes; the limit is {limit}")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -216,47 +184,34 @@ class Ingress:
         try:
             return ClassifyRequest.model_validate_json(body)
         except ValidationError as exc:
-            raise HTTPError(422, "invalid_request", _describe(exc)) from None
+            raise HTTPError(422, "invalid_request", describe_validation_error(exc)) from None
 
-    def _task(self, task: str) -> Any:
+    def _task(self, task: str) -> TaskEntry:
         if task not in self.artifact.tasks:
             raise HTTPError(404, "unknown_task", f"unknown task '{task}'; known tasks: {', '.join(self.artifact.tasks)}")
         return self.artifact.tasks[task]
 
-    def _check_lengths(self, inputs: list[tuple[str, str | None]]) -> None:
-        from .predictions import TextInput
-
-        lengths = self.encoder.count_tokens([TextInput(t, p) for t, p in inputs])
+    def _check_lengths(self, inputs: tuple[TextInput, ...]) -> None:
+        lengths = self.encoder.count_tokens(inputs)
         over = [(i, n) for i, n in enumerate(lengths) if n > self.artifact.max_seq_len]
         if over:
             where = ", ".join(f"inputs[{i}] has {n}" for i, n in over[:5])
             raise HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {self.artifact.max_seq_len} (strict mode)")
 
-    def _answer(
-        self, task: str, labels: tuple[str, ...], adapters: tuple[str, ...], result: Any, with_acts: bool
-    ) -> dict[str, Any]:
-        import numpy as np
-
-        probs = softmax(np.asarray(result.logits, dtype=np.float64))
-        preds = []
-        for p, cut in zip(probs, result.truncated, strict=True):
-            best = int(np.argmax(p))
-            preds.append(
-                {
-                    "label": labels[best],
-                    "score": round(float(p[best]), 6),
-                    "scores": {lab: round(float(v), 6) for lab, v in zip(labels, p, strict=True)},
-                    "truncated": bool(cut),
-                }
-            )
-        out: dict[str, Any] = {"task": task, "predictions": preds}
-        if with_acts and result.activations is not None:
-            out["fusion_activations"] = {
-                "adapters": list(adapters),
-                "values": [[[round(v, 6) for v in row] for row in per] for per in result.activations],
-            }
-        return out
-
     def _done(self, task: str, status: int, started: float, response: Response) -> Response:
         self.metrics.request_duration.labels(task, str(status)).observe(time.perf_counter() - started)
         return response
+
+
+def deployment(replicas: int, threads: int, max_ongoing: int, max_queued: int) -> Any:
+    """FusionServe as a Serve deployment: ``replicas`` replicas reserving ``threads`` CPUs each. Serve sends a
+    replica at most ``max_ongoing`` requests at once (its default of 5 would cap a batch at 5); beyond that up
+    to ``max_queued`` wait, and the rest are refused with 503 at once."""
+    return serve.deployment(
+        FusionServe,
+        name="fusionserve",
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing,
+        max_queued_requests=max_queued,
+        ray_actor_options={"num_cpus": threads},
+    )

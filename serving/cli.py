@@ -13,6 +13,7 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError, InputError
 
 from .artifact import MANIFEST, is_artifact, load_artifact, render_manifest
+from .default import ensure_artifact
 from .predictions import Runner, TextInput, format_predictions, read_jsonl
 
 
@@ -115,7 +116,11 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     pr = sub.add_parser("predict", help="classify texts with an artifact folder or a model spec")
-    pr.add_argument("model", help="artifact folder (ONNX Runtime) or model spec file (PyTorch)")
+    pr.add_argument(
+        "model",
+        nargs="?",
+        help="artifact folder (ONNX Runtime) or model spec file (PyTorch); default: the built-in model, exported on first use",
+    )
     pr.add_argument("--task", required=True, help="target task to run")
     src = pr.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="one text to classify")
@@ -125,7 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
 
     sv = sub.add_parser("serve", help="serve an artifact over HTTP with Ray Serve (Ctrl-C stops)")
-    sv.add_argument("artifact", nargs="?", help="artifact folder written by `fusionserve export`")
+    sv.add_argument(
+        "artifact",
+        nargs="?",
+        help="artifact folder written by `fusionserve export`; default: the built-in model, exported on first use",
+    )
     sv.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1; see the README's security notes)")
     sv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     sv.add_argument("--replicas", type=int, default=1, help="model replicas, each with its own ONNX Runtime session (default 1)")
@@ -152,10 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from .server import ServerConfig, serve_forever
 
-            if args.artifact is None:
-                raise InputError("give an artifact folder (fusionserve export SPEC --out DIR)")
+            artifact = Path(args.artifact) if args.artifact is not None else ensure_artifact()
             cfg = ServerConfig(
-                Path(args.artifact), args.host, args.port, args.replicas, args.max_batch_size, args.batch_wait_ms,
+                artifact, args.host, args.port, args.replicas, args.max_batch_size, args.batch_wait_ms,
                 args.max_queued, args.max_ongoing, args.max_inputs, args.max_body_bytes, args.threads,
             )  # fmt: skip
             serve_forever(cfg)
@@ -173,13 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
         if args.text_pair is not None and args.text is None:
             raise InputError("--text-pair needs --text")
+        model = args.model if args.model is not None else str(ensure_artifact())
         if args.text is not None:
             inputs: Iterator[tuple[int, TextInput | InputError]] = iter([(1, TextInput(args.text, args.text_pair))])
         else:
             inputs = read_jsonl(args.input)
         out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
         try:
-            ok, failed = predict(args.model, args.task, inputs, out, args.batch_size, progress=args.output is not None)
+            ok, failed = predict(model, args.task, inputs, out, args.batch_size, progress=args.output is not None)
         finally:
             if args.output:
                 out.close()

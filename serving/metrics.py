@@ -1,18 +1,58 @@
-"""Prometheus metrics of the HTTP ingress (one registry, ``fusionserve_`` prefix, units in names, counters end
-in ``_total``). Batch-level figures come back from the model replicas with each answer and are counted once
-per batch (the replica marks one answer of each batch to carry them)."""
+"""Prometheus metrics (``fusionserve_`` prefix, units in names, counters end in ``_total``).
+
+Each replica is its own process. When ``PROMETHEUS_MULTIPROC_DIR`` is set (``fusionserve serve`` sets it for its
+replicas), every replica writes its samples there and ``/metrics`` on any replica answers for all replicas on
+that node (prometheus_client's multiprocess mode); otherwise a replica reports itself. The mean fusion activation
+is computed at scrape time from two counters, so it is exact across replicas too.
+"""
 
 from __future__ import annotations
 
-import threading
+import os
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from .batching import JobResult
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536)
+_ACT_SUM = "fusionserve_fusion_activation_weight_sum"
+_ACT_INPUTS = "fusionserve_fusion_activation_inputs"
+
+
+def _multiproc_dir() -> str | None:
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return path if path and os.path.isdir(path) else None
+
+
+class _ActivationMeans:
+    """Collector: fusionserve_fusion_activation_mean_ratio = weight sum / inputs, per task, layer and adapter."""
+
+    def __init__(self, source: CollectorRegistry | MultiProcessCollector) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        sums: dict[tuple[str, str, str], float] = {}
+        inputs: dict[str, float] = {}
+        for fam in self.source.collect():
+            for s in fam.samples:
+                if s.name == f"{_ACT_SUM}_total":
+                    sums[(s.labels["task"], s.labels["layer"], s.labels["adapter"])] = s.value
+                elif s.name == f"{_ACT_INPUTS}_total":
+                    inputs[s.labels["task"]] = s.value
+        mean = GaugeMetricFamily(
+            "fusionserve_fusion_activation_mean_ratio",
+            "Mean fusion softmax weight of an adapter in a layer over all inputs served (each input averaged over its tokens)",
+            labels=["task", "layer", "adapter"],
+        )
+        for (task, layer, adapter), total in sorted(sums.items()):
+            if inputs.get(task):
+                mean.add_metric([task, layer, adapter], total / inputs[task])
+        yield mean
 
 
 class Metrics:
@@ -24,7 +64,7 @@ class Metrics:
             ["task", "status"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.queue_wait = Histogram(
-            "fusionserve_queue_wait_seconds", "Time a request waited in its task's batch queue on the model replica",
+            "fusionserve_queue_wait_seconds", "Time a request waited in its task's batch queue",
             ["task"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.model_duration = Histogram(
@@ -46,36 +86,35 @@ class Metrics:
         self.rejected = Counter(
             "fusionserve_rejected_requests_total", "Requests refused before the model, by reason", ["reason"], registry=r
         )
-        self.activation_mean = Gauge(
-            "fusionserve_fusion_activation_mean_ratio",
-            "Mean fusion softmax weight of an adapter in a layer over all inputs served (averaged over each input's tokens)",
+        self.act_sum = Counter(
+            f"{_ACT_SUM}_total", "Sum over served inputs of an adapter's mean fusion weight in a layer",
             ["task", "layer", "adapter"], registry=r,
         )  # fmt: skip
-        self._lock = threading.Lock()
-        self._act_sum: dict[tuple[str, int, str], float] = {}
-        self._act_n: dict[str, int] = {}
+        self.act_inputs = Counter(f"{_ACT_INPUTS}_total", "Inputs whose fusion weights were summed", ["task"], registry=r)
 
     def observe_result(self, task: str, result: JobResult, adapters: tuple[str, ...]) -> None:
         n = len(result.logits)
         self.inputs.labels(task).inc(n)
         self.truncated.labels(task).inc(sum(result.truncated))
         self.queue_wait.labels(task).observe(result.queue_ms / 1000)
-        if result.batch.report:
+        if result.batch.report:  # one job per batch carries the batch's figures
             self.model_duration.labels(task).observe(result.batch.model_ms / 1000)
             self.batch_size.labels(task).observe(result.batch.inputs)
             self.batch_tokens.labels(task).observe(result.batch.tokens)
         if result.activations:
-            with self._lock:
-                total = self._act_n.get(task, 0) + n
-                self._act_n[task] = total
-                for per_input in result.activations:
-                    for layer, row in enumerate(per_input):
-                        for adapter, value in zip(adapters, row, strict=True):
-                            key = (task, layer, adapter)
-                            self._act_sum[key] = self._act_sum.get(key, 0.0) + value
-                for (t, layer, adapter), s in self._act_sum.items():
-                    if t == task:
-                        self.activation_mean.labels(task, str(layer), adapter).set(s / total)
+            for layer in range(len(result.activations[0])):  # summed over this job's inputs
+                for k, adapter in enumerate(adapters):
+                    self.act_sum.labels(task, str(layer), adapter).inc(sum(per[layer][k] for per in result.activations))
+            self.act_inputs.labels(task).inc(n)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of a scrape."""
+        out = CollectorRegistry()
+        path = _multiproc_dir()
+        if path is None:
+            out.register(self.registry)  # type: ignore[arg-type]
+            out.register(_ActivationMeans(self.registry))  # type: ignore[arg-type]
+        else:
+            MultiProcessCollector(out, path)
+            out.register(_ActivationMeans(MultiProcessCollector(None, path)))  # type: ignore[arg-type]
+        return generate_latest(out), CONTENT_TYPE_LATEST

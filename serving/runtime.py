@@ -24,10 +24,14 @@ def providers(prefer_gpu: bool = True) -> list[str]:
     return [*chosen, "CPUExecutionProvider"]
 
 
-def make_session(path: Path, threads: int | None = None, prefer_gpu: bool = True) -> ort.InferenceSession:
+def make_session(path: Path, threads: int | None = None, prefer_gpu: bool = True, spin: bool = True) -> ort.InferenceSession:
     """An InferenceSession with all graph optimizations; ``threads`` sets intra-op threads (default: the CPUs
-    this process may use). Raises FusionServeError when the file is not a loadable model."""
+    this process may use). ``spin=False`` stops idle worker threads from busy-waiting for the next run: right for
+    a server whose other processes (HTTP proxy, ingress) need the same cores between runs.
+    Raises FusionServeError when the file is not a loadable model."""
     opts = ort.SessionOptions()
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     opts.inter_op_num_threads = 1
@@ -48,9 +52,11 @@ class Output:
 class OnnxRunner:
     """Texts -> logits for any task of an artifact (see ``serving.predictions.Runner``)."""
 
-    def __init__(self, artifact: Artifact | str | Path, threads: int | None = None, prefer_gpu: bool = True) -> None:
+    def __init__(
+        self, artifact: Artifact | str | Path, threads: int | None = None, prefer_gpu: bool = True, spin: bool = True
+    ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = make_session(self.artifact.model_path, threads, prefer_gpu)
+        self.session = make_session(self.artifact.model_path, threads, prefer_gpu, spin)
         self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
         # a graph with one task and no adapter never reads task_id: the exporter dropped that input
         self._inputs = {i.name for i in self.session.get_inputs()}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,8 @@ from typing import Any
 from fusionserve.errors import FusionServeError
 
 from .artifact import load_artifact
+
+_metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
 
 
 @dataclass(frozen=True)
@@ -52,16 +56,19 @@ class ServerConfig:
         return self.threads or max(1, len(os.sched_getaffinity(0)) // self.replicas)
 
 
-def build_app(cfg: ServerConfig) -> Any:
-    """The Serve application: ingress (HTTP, validation, metrics) -> model replicas (batching, ONNX Runtime)."""
-    from .app import Ingress, Limits
-    from .model import deployment
+def build_app(cfg: ServerConfig, metrics_dir: str | None = None) -> Any:
+    """The Serve application: ``cfg.replicas`` replicas of FusionServe (HTTP, validation, batching, ONNX Runtime,
+    metrics). With ``metrics_dir`` the replicas pool their Prometheus samples there."""
+    from .app import deployment
+    from .schemas import Limits
 
     load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
-    model = deployment(cfg.replicas, cfg.threads_per_replica, cfg.max_batch_size, cfg.max_queued, cfg.max_ongoing).bind(
-        str(cfg.artifact), cfg.max_batch_size, cfg.batch_wait_ms / 1000, cfg.threads_per_replica
-    )
-    return Ingress.bind(model, str(cfg.artifact), Limits(cfg.max_inputs, cfg.max_body_bytes))
+    dep = deployment(cfg.replicas, cfg.threads_per_replica, cfg.max_ongoing or 2 * cfg.max_batch_size, cfg.max_queued)
+    if metrics_dir:
+        env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+        dep = dep.options(ray_actor_options={"num_cpus": cfg.threads_per_replica, "runtime_env": {"env_vars": env}})
+    limits = Limits(cfg.max_inputs, cfg.max_body_bytes)
+    return dep.bind(str(cfg.artifact.resolve()), limits, cfg.max_batch_size, cfg.batch_wait_ms / 1000, cfg.threads_per_replica)
 
 
 def start(cfg: ServerConfig) -> str:
@@ -70,7 +77,9 @@ def start(cfg: ServerConfig) -> str:
     import ray
     from ray import serve
 
-    app = build_app(cfg)
+    global _metrics_dir
+    _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
+    app = build_app(cfg, _metrics_dir)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
@@ -86,6 +95,8 @@ def stop() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+        if _metrics_dir:
+            shutil.rmtree(_metrics_dir, ignore_errors=True)
 
 
 def serve_forever(cfg: ServerConfig) -> None:

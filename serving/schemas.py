@@ -1,0 +1,73 @@
+"""The HTTP request and response bodies (pydantic), and how a validation failure is told to the caller."""
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=r"\S")]
+
+
+class PairInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: Text
+    text_pair: Text | None = Field(None, description="second text of a pair, encoded as [CLS] text [SEP] text_pair [SEP]")
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task: str = Field(description="a task of the served artifact (GET /v1/tasks)")
+    inputs: list[Text | PairInput] = Field(min_length=1, description="plain texts and/or {text, text_pair} objects")
+    return_fusion_activations: bool = Field(
+        False, description="add per input the fusion weights per layer and adapter, averaged over its tokens"
+    )
+    strict: bool = Field(False, description="refuse (413) an input over the token limit instead of truncating it")
+
+
+class Prediction(BaseModel):
+    label: str
+    score: float
+    scores: dict[str, float]
+    truncated: bool = Field(False, description="the input was cut to the token limit")
+
+
+class FusionActivations(BaseModel):
+    adapters: list[str]
+    values: list[list[list[float]]] = Field(description="per input, per layer, per adapter (in 'adapters' order)")
+
+
+class ClassifyResponse(BaseModel):
+    task: str
+    predictions: list[Prediction]
+    fusion_activations: FusionActivations | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_inputs: int = 64
+    max_body_bytes: int = 1_000_000
+
+
+class HTTPError(Exception):
+    """A refusal: HTTP status, a short machine-readable reason (also the metric label) and a message."""
+
+    def __init__(self, status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per bad field; an input that is neither a text nor a pair object is named once, not per union arm."""
+    problems: dict[str, str] = {}
+    for e in exc.errors():
+        loc = e["loc"]
+        if len(loc) >= 2 and loc[0] == "inputs" and isinstance(loc[1], int):
+            item = e.get("input")
+            where = f"inputs[{loc[1]}]"
+            problems.setdefault(
+                where, f'{where}: must be a non-empty string or an object {{"text": ..., "text_pair": ...}}, got {item!r:.60}'
+            )
+        else:
+            where = ".".join(str(p) for p in loc) or "body"
+            problems.setdefault(where, f"{where}: {e['msg'].lower()}")
+    return "; ".join(list(problems.values())[:5])
