@@ -167,7 +167,8 @@ def batch_sizes_formed(port: int, task: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("artifact", type=Path)
+    p.add_argument("artifact", type=Path, nargs="?", help="artifact folder (not needed with --render-only)")
+    p.add_argument("--render-only", action="store_true", help="redo table and plot from the recorded results/load.json")
     p.add_argument("--task", help="task to load (default: the first fusion task)")
     p.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16, 64])
     p.add_argument("--seconds", type=float, default=20.0, help="per client count")
@@ -178,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
+    if args.render_only:
+        result = json.loads((args.out / "load.json").read_text())
+        text = markdown(result, result["command"])
+        record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), text, True)
+        return 0
+    if args.artifact is None:
+        p.error("give the artifact folder to serve")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
     from ray import serve
@@ -212,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         closed_loop(args.port, "/v1/classify", body, 4, 3.0)  # warm-up
         result["noop"] = closed_loop(args.port, "/noop", body, 1, args.seconds)
         print(f"  noop: {result['noop']}", file=sys.stderr)
+        # the ceiling of Serve itself on this machine: the no-op under the same 16 clients
+        result["noop_16"] = closed_loop(args.port, "/noop", body, 16, args.seconds)
+        print(f"  noop, 16 clients: {result['noop_16']}", file=sys.stderr)
         result["http"] = []
         for c in args.clients:
             r = closed_loop(args.port, "/v1/classify", body, c, args.seconds)
@@ -253,8 +264,14 @@ def markdown(r: dict, command: str) -> str:
     lines += [
         "",
         f"No-op deployment through the same proxy, 1 client: p50 {n['p50_ms']} ms, p95 {n['p95_ms']} ms ({n['requests']} requests).",
-        "",
     ]
+    if "noop_16" in r:
+        m16 = r["noop_16"]
+        lines.append(
+            f"No-op, 16 clients: {m16['throughput_rps']} req/s, p50 {m16['p50_ms']} ms — what Serve's proxy and the Python "
+            "clients alone sustain on these cores, before any model work."
+        )
+    lines += [""]
     lines += ["| in-process batch | median batch (ms) | texts/s |", "|---:|---:|---:|"]
     lines += [f"| {b} | {v['median_batch_ms']} | {v['texts_per_s']} |" for b, v in ip.items()]
     if one:
