@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--batch-wait-ms", type=float, default=2.0)
+    p.add_argument("--max-ongoing", type=int, help="requests a replica holds at once (default: the server's)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
@@ -196,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     art = load_artifact(args.artifact)
     task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
     texts = load_texts(args.texts)
-    cfg = ServerConfig(args.artifact, port=args.port, max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms)
+    cfg = ServerConfig(
+        args.artifact,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        batch_wait_ms=args.batch_wait_ms,
+        max_ongoing=args.max_ongoing,
+    )
     command = "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"load: starting the server ({task}, {len(texts)} texts)", file=sys.stderr)
     start(cfg)

@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=int, help="ONNX Runtime threads per replica (default: CPUs / replicas)")
     sv.add_argument("--max-batch-size", type=int, default=32, help="most texts in one model call (default 32)")
     sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long a batch waits to fill (default 5)")
-    sv.add_argument("--max-ongoing", type=int, help="requests a replica holds at once (default 2 x max batch size)")
+    sv.add_argument("--max-ongoing", type=int, help="requests a replica holds at once (default 4 x max batch size)")
     sv.add_argument("--max-queued", type=int, default=64, help="requests waiting for a replica before 503 (default 64)")
     sv.add_argument("--max-inputs", type=int, default=64, help="most inputs in one request, else 413 (default 64)")
     sv.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body, else 413 (default 1000000)")

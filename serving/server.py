@@ -63,7 +63,9 @@ def build_app(cfg: ServerConfig, metrics_dir: str | None = None) -> Any:
     from .schemas import Limits
 
     load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
-    dep = deployment(cfg.replicas, cfg.threads_per_replica, cfg.max_ongoing or 2 * cfg.max_batch_size, cfg.max_queued)
+    # past max_ongoing, requests wait in Serve's router, which polls with backoff: measured here, 64 clients on a
+    # replica holding 32 fell from 46 to 13 req/s. Holding 4 batches lets the batch queue absorb them instead.
+    dep = deployment(cfg.replicas, cfg.threads_per_replica, cfg.max_ongoing or 4 * cfg.max_batch_size, cfg.max_queued)
     if metrics_dir:
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         dep = dep.options(ray_actor_options={"num_cpus": cfg.threads_per_replica, "runtime_env": {"env_vars": env}})
