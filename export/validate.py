@@ -106,7 +106,7 @@ def check_parity(
             report.cases += 1
             if progress is not None:
                 progress(1)
-    bad = [k for k, v in report.max_abs_diff.items() if tol[k] is not None and not v <= tol[k]]
+    bad = [k for k, v in report.max_abs_diff.items() if (limit := tol[k]) is not None and not v <= limit]
     if bad:
         lines = [
             f"  {k}: max |diff| {report.max_abs_diff[k]:.3g} (tolerance {'none' if tol[k] is None else format(tol[k], 'g')}) at {report.worst[k]}"

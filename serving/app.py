@@ -64,7 +64,7 @@ class FusionServe:
         self.runner = BatchRunner(runner)
         self.encoder = runner.encoder
         self.limits = limits
-        self.metrics = Metrics()
+        self.stats = Metrics()
         self.queues: dict[str, Queue] = {}
         for task in self.artifact.tasks:
             # batch_size_fn: a request with k inputs takes k places, so the model never sees more than
@@ -118,11 +118,11 @@ class FusionServe:
                     422, "no_fusion", f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations"
                 )
             result = await self.queues[task](Job(task, inputs, req.return_fusion_activations))
-            self.metrics.observe_result(task, result, entry.adapters)
+            self.stats.observe_result(task, result, entry.adapters)
             payload = _answer(task, entry, result, req.return_fusion_activations)
             return self._done(task, 200, started, JSONResponse(payload))
         except HTTPError as err:
-            self.metrics.rejected.labels(err.reason).inc()
+            self.stats.rejected.labels(err.reason).inc()
             body = {"error": {"type": err.reason, "message": err.message}}
             return self._done(task, err.status, started, JSONResponse(body, err.status, err.headers))
 
@@ -158,7 +158,7 @@ class FusionServe:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         """Prometheus text format (all replicas on this node, see serving/metrics.py)."""
-        body, content_type = self.metrics.render()
+        body, content_type = self.stats.render()
         return Response(body, media_type=content_type)
 
     # --- helpers --------------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ class FusionServe:
             raise HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {self.artifact.max_seq_len} (strict mode)")
 
     def _done(self, task: str, status: int, started: float, response: Response) -> Response:
-        self.metrics.request_duration.labels(task, str(status)).observe(time.perf_counter() - started)
+        self.stats.request_duration.labels(task, str(status)).observe(time.perf_counter() - started)
         return response
 
 
