@@ -1,1 +1,2 @@
-"""Training-side helpers: the real labelled datasets (``datasets``) and the registry packages they ship in (``sources``)."""
+"""Training side: the real labelled datasets (``datasets``, ``sources``) and the default model's two-stage AdapterFusion
+training (``train``, with its loop in ``loop``) and evaluation report (``report``)."""

@@ -1,0 +1,281 @@
+"""The default model's evaluation report, in the spirit of the paper's Table 1 and Figure 4.
+
+Runs the model exactly as fusionserve serves it (fp32, built from the saved folder by ``build_model``) on each
+target's dev and test sets: accuracy of the head-only, single-adapter and fusion tasks, with paired bootstrap
+confidence intervals, and the fusion's softmax activations per layer averaged over the real (unpadded) tokens of
+the test set. Writes REPORT.md, accuracy.png and fusion_activations.png into the folder; returns the numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.tokenize import Encoder
+
+from .datasets import Dataset
+
+COLUMNS = (("head", "{t}_head", "Head"), ("adapter", "{t}_adapter", "ST-A (own adapter)"), ("fusion", "{t}", "Fusion w/ ST-A"))
+BOOTSTRAP_SAMPLES = 2000
+BATCH = 64
+
+
+def _predict(model: Any, encoder: Encoder, examples: tuple, task: str, fusion: bool) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Predicted label ids (n,); for a fusion task the activation sums over real tokens (layers, adapters); tokens."""
+    inputs = [TextInput(ex.text, ex.text_pair) for ex in examples]
+    order = np.argsort(encoder.count_tokens(inputs), kind="stable")  # similar lengths together: little padding
+    preds = np.empty(len(inputs), dtype=np.int64)
+    act_sum, tokens = None, 0
+    with torch.inference_mode():
+        for start in range(0, len(order), BATCH):
+            idx = order[start : start + BATCH]
+            enc = encoder.encode([inputs[i] for i in idx])
+            ids, mask, types = (torch.from_numpy(a) for a in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
+            if fusion:
+                logits, acts = model.classify(ids, mask, types, task=task, return_fusion_activations=True)
+                summed = (acts * mask[:, None, :, None]).sum(dim=(0, 2))  # (layers, adapters), padding excluded
+                act_sum = summed if act_sum is None else act_sum + summed
+            else:
+                logits = model.classify(ids, mask, types, task=task)
+            preds[idx] = logits.argmax(-1).numpy()
+            tokens += int(mask.sum())
+    return preds, (act_sum.double().numpy() if act_sum is not None else None), tokens
+
+
+def _ci(samples: np.ndarray) -> list[float]:
+    return [round(float(np.percentile(samples, 2.5)) * 100, 2), round(float(np.percentile(samples, 97.5)) * 100, 2)]
+
+
+def evaluate(folder: Path, targets: dict[str, Dataset], max_seq_len: int, seed: int = 0) -> dict[str, Any]:
+    """Accuracies (percent) with 95% bootstrap intervals, and the mean fusion activations per layer on test."""
+    from fusionserve.export.model import build_model
+    from fusionserve.export.predict import load_tokenizer
+    from fusionserve.export.spec import load_spec
+
+    spec = load_spec(folder / "model.yaml")
+    model = build_model(spec)
+    tok = load_tokenizer(spec.base_model)
+    encoder = Encoder(tok.backend_tokenizer, max_seq_len, str(tok.pad_token))
+    rng = np.random.default_rng(seed)
+    results: dict[str, Any] = {}
+    for target, ds in targets.items():
+        info = model.task_infos[target]
+        entry: dict[str, Any] = {"adapters": list(info.adapters), "labels": list(info.labels), "n_train": len(ds.train)}
+        for split in ("dev", "test"):
+            examples = getattr(ds, split)
+            gold = np.array([ds.labels.index(ex.label) for ex in examples])
+            boot = rng.integers(0, len(gold), size=(BOOTSTRAP_SAMPLES, len(gold)))  # the same resamples for every column
+            correct = {}
+            row: dict[str, Any] = {"n": len(gold)}
+            for column, pattern, _ in tqdm(COLUMNS, desc=f"report {target} {split}", file=sys.stderr, leave=False):
+                preds, acts, tokens = _predict(model, encoder, examples, pattern.format(t=target), fusion=column == "fusion")
+                correct[column] = (preds == gold).astype(np.float64)
+                row[column] = {"accuracy": round(correct[column].mean() * 100, 2), "ci95": _ci(correct[column][boot].mean(1))}
+                if acts is not None and split == "test":
+                    entry["activations"] = (acts / acts.sum(axis=1, keepdims=True)).round(4).tolist()  # (layers, adapters)
+                    entry["activation_tokens"] = tokens
+            diff = (correct["fusion"] - correct["adapter"])[boot].mean(1)
+            row["fusion_minus_adapter"] = {
+                "points": round((correct["fusion"].mean() - correct["adapter"].mean()) * 100, 2),
+                "ci95": _ci(diff),
+            }
+            entry[split] = row
+        results[target] = entry
+    return results
+
+
+def _plots(folder: Path, results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(results)
+    adapters = results[targets[0]]["adapters"]
+    acts = np.array([results[t]["activations"] for t in targets])  # (targets, layers, adapters)
+    panels = [(f"layer {i + 1}", acts[:, i]) for i in range(acts.shape[1])] + [("mean over layers", acts.mean(1))]
+    cols = 4
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.2 * rows + 0.6), squeeze=False, layout="constrained")
+    for k, (ax, (title, grid)) in enumerate(zip(axes.flat, panels, strict=False)):
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(range(len(adapters)), adapters, rotation=45, ha="right", fontsize=7)
+        ax.set_yticks(range(len(targets)), targets if k % cols == 0 else [""] * len(targets), fontsize=8)
+        for (r, c), v in np.ndenumerate(grid):
+            ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="white" if v < 0.5 else "black")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="mean softmax activation")
+    fig.suptitle("AdapterFusion activations on the test sets (rows: target task, columns: adapter)", fontsize=11)
+    fig.savefig(folder / "fusion_activations.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    width = 0.27
+    for k, (column, _, label) in enumerate(COLUMNS):
+        acc = np.array([results[t]["test"][column]["accuracy"] for t in targets])
+        ci = np.array([results[t]["test"][column]["ci95"] for t in targets])
+        x = np.arange(len(targets)) + (k - 1) * width
+        ax.bar(x, acc, width, label=label, yerr=[acc - ci[:, 0], ci[:, 1] - acc], capsize=3)
+        for xi, a, top in zip(x, acc, ci[:, 1], strict=True):
+            ax.text(xi, top + 0.5, f"{a:.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(targets)), targets)
+    ax.set_ylabel("test accuracy (%), 95% CI")
+    low = min(results[t]["test"][c]["ci95"][0] for t in targets for c, _, _ in COLUMNS)
+    ax.set_ylim(max(0, low - 10), 104)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(COLUMNS), frameon=False)
+    fig.savefig(folder / "accuracy.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _fmt(cell: dict[str, Any]) -> str:
+    lo, hi = cell["ci95"]
+    return f"{cell['accuracy']:.1f} [{lo:.1f}, {hi:.1f}]"
+
+
+def _why(target: str, r: dict[str, Any], logs: dict[str, Any]) -> str:
+    """Evidence for a fusion that trails its adapter: the dev curve, overfitting, and where the fusion looks."""
+    fusion, adapter = logs["fusion"][target], logs["adapters"][target]
+    curve = [e["dev_accuracy"] * 100 for e in fusion["epochs"]]
+    best = adapter["dev_accuracy"] * 100
+    shown = ", ".join(f"{a:.1f}" for a in curve)
+    parts = [
+        (f"In no fusion epoch did dev accuracy pass the adapter's best (fusion by epoch: {shown}; adapter: {best:.1f}), so "
+         "choosing otherwise on dev could not have reversed it." if max(curve) < best else
+         f"On dev the fusion reached the adapter's best ({max(curve):.1f} vs {best:.1f}) but did not keep it on test.")
+    ]  # fmt: skip
+    losses = [e["train_loss"] for e in fusion["epochs"]]
+    if fusion["best_epoch"] < len(curve) and losses[-1] < losses[fusion["best_epoch"] - 1]:
+        parts.append(f"After epoch {fusion['best_epoch']} its training loss kept falling ({losses[0]:.2f} to {losses[-1]:.2f}) "
+                     f"while dev accuracy did not rise: {fusion['trainable_parameters']:,} fusion and head parameters fit "
+                     f"{r['n_train']:,} training examples.")  # fmt: skip
+    own = r["adapters"].index(target)
+    own_share = float(np.mean([layer[own] for layer in r["activations"]])) * 100
+    parts.append(f"The fusion routes mostly to the target's own adapter ({own_share:.0f}% of the weight), as the paper finds for "
+                 "targets the other adapters do not help (§6); the rest mixes in source adapters trained on other tasks.")  # fmt: skip
+    return " ".join(parts)
+
+
+def _verdict(target: str, r: dict[str, Any], logs: dict[str, Any]) -> str:
+    test, dev = r["test"], r["dev"]
+    d, (lo, hi) = test["fusion_minus_adapter"]["points"], test["fusion_minus_adapter"]["ci95"]
+    own = r["adapters"].index(target)
+    own_share = float(np.mean([layer[own] for layer in r["activations"]])) * 100
+    top = int(np.argmax(np.mean(r["activations"], axis=0)))
+    uses = (f"it gives its own adapter {own_share:.0f}% of the weight on average over layers"
+            + (f", and most to `{r['adapters'][top]}`" if top != own else ", more than any other adapter"))  # fmt: skip
+    spread = float(np.abs(np.asarray(r["activations"]) - 1 / len(r["adapters"])).max())
+    if spread < 0.05:  # the scores barely moved from their random start: the mix is (close to) an average
+        uses += (f"; every weight is within {spread:.3f} of the uniform 1/{len(r['adapters'])}, i.e. query and key have not "
+                 "learned to pick adapters in this training budget and the fusion mixes an average of all adapter outputs")  # fmt: skip
+    dev_line = (f"On dev fusion scored {dev['fusion']['accuracy']:.1f} against the adapter's "
+                f"{dev['adapter']['accuracy']:.1f} ({dev['fusion_minus_adapter']['points']:+.1f}).")  # fmt: skip
+    if d >= 0:
+        return (f"- **{target}: yes.** Fusion {test['fusion']['accuracy']:.1f} vs own adapter {test['adapter']['accuracy']:.1f} "
+                f"on test ({d:+.1f} points; paired 95% CI [{lo:+.1f}, {hi:+.1f}]). {dev_line} In the fusion {uses}.")  # fmt: skip
+    noise = ("The interval contains 0: on this test set the gap is within sampling noise."
+             if lo <= 0 <= hi else "The interval excludes 0: the gap is larger than test-set sampling noise.")  # fmt: skip
+    examples = round(-d * test["n"] / 100)
+    return (f"- **{target}: no.** Fusion is {-d:.1f} points ({examples:,} of {test['n']:,} examples) below the target's own "
+            f"adapter on test ({test['fusion']['accuracy']:.1f} vs {test['adapter']['accuracy']:.1f}; paired 95% CI of the difference "
+            f"[{lo:+.1f}, {hi:+.1f}]). {noise} {dev_line} Why: {_why(target, r, logs)} "
+            "Nothing was changed after seeing test.")  # fmt: skip
+
+
+def _markdown(results: dict[str, Any], logs: dict[str, Any], max_seq_len: int, notes: tuple[str, ...]) -> str:
+    targets = list(results)
+    adapters = results[targets[0]]["adapters"]
+    head = "| target | " + " | ".join(label for _, _, label in COLUMNS) + " | Fusion − ST-A, points [95% CI] |"
+    sep = "|---" * (len(COLUMNS) + 2) + "|"
+    out = [
+        "# Default model: evaluation",
+        "",
+        "AdapterFusion (Pfeiffer et al., EACL 2021) on the frozen all-MiniLM-L6-v2 backbone (6 layers, hidden 384), "
+        f"with {len(adapters)} `seq_bn` adapters (reduction factor 16): {', '.join(f'`{a}`' for a in adapters)}. "
+        "Each target task is served three ways, the columns below: a head on the frozen backbone (`<target>_head`), "
+        "the target's own adapter with its head (`<target>_adapter`), and a fusion over all adapters with its head (`<target>`). "
+        f"Numbers come from the served model (fusionserve's fp32 PyTorch model built from this folder; inputs cut at "
+        f"{max_seq_len} tokens, as in training). Settings, data sizes and timings: `training.json`.",
+        "",
+        "## Accuracy (Table 1 analogue)",
+        "",
+    ]
+    for split, what in (("test", "Test accuracy (%) on the held-out test sets, read once after training"),
+                        ("dev", "Dev accuracy (%): the split early stopping selected on")):  # fmt: skip
+        out += [f"{what}; 95% bootstrap intervals ({BOOTSTRAP_SAMPLES} paired resamples):", "", head, sep]
+        for t in targets:
+            r = results[t][split]
+            diff = r["fusion_minus_adapter"]
+            cells = " | ".join(_fmt(r[c]) for c, _, _ in COLUMNS)
+            out.append(f"| {t} (n={r['n']}) | {cells} | {diff['points']:+.1f} [{diff['ci95'][0]:+.1f}, {diff['ci95'][1]:+.1f}] |")
+        out.append("")
+    out += ["![test accuracy](accuracy.png)", "", "## Is fusion at least as accurate as the target's own adapter?", ""]
+    out += [_verdict(t, results[t], logs) for t in targets]
+    out += ["", "## Fusion activations (Figure 4 analogue)", "",
+            "Mean softmax weight of each adapter, per layer, over every real token of the test set (padding excluded); "
+            "each row of a panel sums to 1.", "", "![fusion activations](fusion_activations.png)", "",
+            "Mean over layers:", "", "| target | " + " | ".join(adapters) + " |", "|---" * (len(adapters) + 1) + "|"]  # fmt: skip
+    for t in targets:
+        mean = np.mean(results[t]["activations"], axis=0)
+        out.append(
+            f"| {t} | " + " | ".join(f"**{v:.2f}**" if a == t else f"{v:.2f}" for a, v in zip(adapters, mean, strict=True)) + " |"
+        )
+    out += ["", "## Training (every fit: AdamW, linear decay, early stopping on dev accuracy, best epoch kept)", "",
+            "| stage | task | trained parameters | best epoch / run | dev accuracy (training) | seconds |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for stage, per_task in logs.items():
+        for task, log in per_task.items():
+            n = log.get("trainable_parameters", "head only")
+            n = f"{n:,}" if isinstance(n, int) else n
+            out.append(f"| {stage} | {task} | {n} | {log['best_epoch']} / {len(log['epochs'])} | "
+                       f"{log['dev_accuracy'] * 100:.1f} | {log['seconds']:.0f} |")  # fmt: skip
+    out += ["", "Dev accuracy during training ran under the training precision (`recipe.precision` in training.json); the "
+            "tables above rerun the saved model in fp32, so the two can differ by a few examples.", ""]  # fmt: skip
+    if notes:
+        out += ["## Departures from the paper's recipe", "", *(f"- {n}" for n in notes), ""]
+    return "\n".join(out)
+
+
+def write(
+    folder: Path, targets: dict[str, Dataset], max_seq_len: int, logs: dict[str, Any], notes: tuple[str, ...] = (), seed: int = 0
+) -> dict[str, Any]:
+    """Evaluate the model folder and write REPORT.md, accuracy.png and fusion_activations.png into it."""
+    results = evaluate(folder, targets, max_seq_len, seed)
+    _plots(folder, results)
+    (folder / "REPORT.md").write_text(_markdown(results, logs, max_seq_len, notes), encoding="utf-8")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-evaluate a trained model folder and rewrite its report from its training.json (no training)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m fusionserve.training.report", description=main.__doc__)
+    p.add_argument("folder", type=Path, help="model folder written by fusionserve.training.train")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    args = p.parse_args(argv)
+    folder = args.folder
+    from .train import TARGETS, Recipe, load_data
+
+    torch.set_num_threads(args.threads)
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    recipe = Recipe(**record["recipe"])
+    data = load_data(recipe)
+    notes = tuple(record.get("notes", ()))
+    record["evaluation"] = write(
+        folder, {t: data[t] for t in TARGETS}, recipe.max_seq_len, record["training"], notes, recipe.seed
+    )
+    (folder / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    print(f"rewrote {folder / 'REPORT.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
