@@ -328,12 +328,20 @@ def load_head(folder: Path) -> HeadCheckpoint:
     labels = _labels(cfg.get("label2id"), n_labels, cfg_path)
 
     weights = read_weights(folder, "model_head.safetensors", "pytorch_model_head.bin")
+    name = data.get("name")
     by_index: dict[int, dict[str, torch.Tensor]] = {}
+    others: set[str] = set()
     for key, tensor in weights.items():
         m = _HEAD_KEY.match(key)
         if m is None:
             raise CheckpointError(f"{folder}: unexpected weight '{key}' for a classification head")
+        if name is not None and m.group(1) != name:
+            # AdapterHub's save_head matches head names by prefix: saving "rte" also writes "rte_2"'s weights
+            others.add(m.group(1))
+            continue
         by_index.setdefault(int(m.group(2)), {})[m.group(3)] = tensor
+    if not by_index and others:
+        raise CheckpointError(f"{folder}: no weights for head '{name}' (the file holds heads {sorted(others)})")
     if len(by_index) != n_layers:
         raise CheckpointError(f"{folder}: config says {n_layers} linear layer(s), weights hold {len(by_index)}")
     linears = []

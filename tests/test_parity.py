@@ -59,3 +59,22 @@ def test_fusion_activations_match_adapterhub(built, ours):
         assert (got - want).abs().max() <= TOL, f"layer {layer}"
     assert torch.all(acts[:, 1, :, 1] == 0)  # beta left out of layer 1
     torch.testing.assert_close(acts.sum(-1), torch.ones_like(acts.sum(-1)))
+
+
+def test_head_file_with_another_heads_weights_loads_its_own(tmp_path):
+    """AdapterHub's save_head("x") also writes the weights of every head whose name starts with "x"."""
+    from adapters import BertAdapterModel
+
+    from fusionserve.export.checkpoint import load_head
+    from tests.adapterhub_models import write_base
+
+    write_base(tmp_path / "base")
+    model = BertAdapterModel.from_pretrained(str(tmp_path / "base"))
+    model.add_classification_head("x", num_labels=2)
+    model.add_classification_head("x_more", num_labels=5)
+    model.save_head(str(tmp_path / "head"), "x", use_safetensors=True)
+    head = load_head(tmp_path / "head")
+    assert head.labels == ("LABEL_0", "LABEL_1")
+    w, bias = head.linears[-1]
+    torch.testing.assert_close(w, model.heads["x"][4].weight.detach())
+    torch.testing.assert_close(bias, model.heads["x"][4].bias.detach())
