@@ -25,7 +25,7 @@ from fusionserve import __version__
 from .artifact import TaskEntry, load_artifact
 from .batching import BatchRunner, Job, JobResult
 from .metrics import Metrics
-from .predictions import TextInput, softmax
+from .predictions import TextInput, label_scores
 from .runtime import OnnxRunner
 from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, describe_validation_error
 
@@ -39,12 +39,12 @@ Queue = Callable[[Job], Coroutine[Any, Any, JobResult]]
 
 
 def _answer(task: str, entry: TaskEntry, result: JobResult, with_acts: bool) -> dict[str, Any]:
-    probs = softmax(np.asarray(result.logits, dtype=np.float64))
-    preds = []
-    for p, cut in zip(probs, result.truncated, strict=True):
-        best = int(np.argmax(p))
-        scores = {lab: round(float(v), 6) for lab, v in zip(entry.labels, p, strict=True)}
-        preds.append({"label": entry.labels[best], "score": round(float(p[best]), 6), "scores": scores, "truncated": bool(cut)})
+    preds = [
+        {"label": label, "score": score, "scores": scores, "truncated": bool(cut)}
+        for (label, score, scores), cut in zip(
+            label_scores(entry.labels, np.asarray(result.logits)), result.truncated, strict=True
+        )
+    ]
     out: dict[str, Any] = {"task": task, "predictions": preds}
     if with_acts and result.activations is not None:
         values = [[[round(v, 6) for v in row] for row in per] for per in result.activations]
@@ -117,7 +117,7 @@ class FusionServe:
                 raise HTTPError(
                     422, "no_fusion", f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations"
                 )
-            result = await self.queues[task](Job(task, inputs, req.return_fusion_activations))
+            result = await self.queues[task](Job(task, inputs))
             self.stats.observe_result(task, result, entry.adapters)
             payload = _answer(task, entry, result, req.return_fusion_activations)
             return self._done(task, 200, started, JSONResponse(payload))

@@ -22,7 +22,6 @@ class Job:
 
     task: str
     inputs: tuple[TextInput, ...]
-    want_activations: bool = False
     enqueued_s: float = field(default_factory=time.perf_counter)
 
 

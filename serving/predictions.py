@@ -60,18 +60,26 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def label_scores(labels: Sequence[str], logits: np.ndarray) -> list[tuple[str, float, dict[str, float]]]:
+    """Per row: the winning label, its probability, and every label's probability (rounded to 6 digits)."""
+    out = []
+    for p in softmax(np.asarray(logits, dtype=np.float64)):
+        best = int(np.argmax(p))
+        out.append((labels[best], round(float(p[best]), 6), {lab: round(float(v), 6) for lab, v in zip(labels, p, strict=True)}))
+    return out
+
+
 def format_predictions(
     labels: Sequence[str], logits: np.ndarray, truncated: Sequence[bool], inputs: Sequence[TextInput]
 ) -> list[dict[str, Any]]:
     """One JSON-ready dict per row: label, scores (label -> probability), logits in label-id order."""
     if len(logits) != len(inputs):
         raise RuntimeError(f"runner returned {len(logits)} rows for {len(inputs)} inputs")
-    probs = softmax(logits.astype(np.float64))
     out = []
-    for row, p, cut, inp in zip(logits, probs, truncated, inputs, strict=True):
+    for row, (label, _, scores), cut, inp in zip(logits, label_scores(labels, logits), truncated, inputs, strict=True):
         item: dict[str, Any] = {} if inp.id is None else {"id": inp.id}
-        item["label"] = labels[int(np.argmax(p))]
-        item["scores"] = {lab: round(float(v), 6) for lab, v in zip(labels, p, strict=True)}
+        item["label"] = label
+        item["scores"] = scores
         item["logits"] = [round(float(v), 6) for v in row]
         if cut:
             item["truncated"] = True
