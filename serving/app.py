@@ -57,10 +57,19 @@ class FusionServe:
     """One replica: validation, per-task dynamic batching (one ``@serve.batch`` queue per task, so tasks never
     wait for each other), one ONNX Runtime session, metrics."""
 
-    def __init__(self, artifact_dir: str, limits: Limits, max_batch_size: int, batch_wait_s: float, threads: int | None) -> None:
+    def __init__(
+        self,
+        artifact_dir: str,
+        limits: Limits,
+        max_batch_size: int,
+        batch_wait_s: float,
+        threads: int | None,
+        device: str = "auto",
+    ) -> None:
         self.artifact = load_artifact(artifact_dir)
-        # no spinning: between runs the cores belong to the HTTP proxy and the event loop
-        runner = OnnxRunner(self.artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False)
+        # no spinning: between runs the cores belong to the HTTP proxy and the event loop. On CUDA the runner
+        # binds reused device buffers and pads batches to bucket lengths (see serving/runtime.py).
+        runner = OnnxRunner(self.artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)
         self.runner = BatchRunner(runner)
         self.encoder = runner.encoder
         self.limits = limits
@@ -203,15 +212,22 @@ class FusionServe:
         return response
 
 
-def deployment(replicas: int, threads: int, max_ongoing: int, max_queued: int) -> Any:
-    """FusionServe as a Serve deployment: ``replicas`` replicas reserving ``threads`` CPUs each. Serve sends a
-    replica at most ``max_ongoing`` requests at once (its default of 5 would cap a batch at 5); beyond that up
-    to ``max_queued`` wait, and the rest are refused with 503 at once."""
+def deployment(replicas: int, threads: int, max_ongoing: int, max_queued: int, gpus: float = 0.0) -> Any:
+    """FusionServe as a Serve deployment: ``replicas`` replicas reserving ``threads`` CPUs (and ``gpus`` GPUs,
+    a fraction when replicas share one) each. Serve sends a replica at most ``max_ongoing`` requests at once (its
+    default of 5 would cap a batch at 5); beyond that up to ``max_queued`` wait, and the rest are refused with 503
+    at once."""
     return serve.deployment(
         FusionServe,
         name="fusionserve",
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing,
         max_queued_requests=max_queued,
-        ray_actor_options={"num_cpus": threads},
+        ray_actor_options=actor_options(threads, gpus),
     )
+
+
+def actor_options(threads: int, gpus: float) -> dict[str, Any]:
+    """Ray resources of one replica; a GPU is asked for only when it runs on one (Ray then sets its
+    CUDA_VISIBLE_DEVICES to the GPU it was given)."""
+    return {"num_cpus": threads, "num_gpus": gpus} if gpus > 0 else {"num_cpus": threads}

@@ -1,4 +1,5 @@
-"""One model call for many requests of one task: pack, pad to the longest sequence in the batch, run, split.
+"""One model call for many requests of one task: pack, pad to the longest sequence in the batch (the runner may
+pad further, to its bucket length), run, split.
 
 No Ray and no HTTP here: the Ray deployment (serving/model.py) only queues requests per task and hands each
 batch to ``BatchRunner.run``.
@@ -30,7 +31,7 @@ class BatchStats:
     """What one model call did; ``report`` is set on exactly one job of each batch, so metrics count it once."""
 
     inputs: int
-    tokens: int  # batch x padded length: what the model computed over
+    tokens: int  # batch x padded length (the bucket's, when the runner buckets): what the model computed over
     model_ms: float
     report: bool
 
@@ -64,7 +65,8 @@ class BatchRunner:
             mask = enc.attention_mask[:, None, :, None].astype(np.float32)  # (batch, 1, seq, 1)
             summed = (out.fusion_activations * mask).sum(axis=2)  # (batch, layers, adapters)
             per_input_acts = summed / np.maximum(mask.sum(axis=2), 1.0)
-        stats = BatchStats(len(flat), int(enc.input_ids.size), model_ms, report=False)
+        batch, seq = enc.input_ids.shape
+        stats = BatchStats(len(flat), batch * self.runner.padded_length(seq), model_ms, report=False)
         results, start = [], 0
         for i, job in enumerate(jobs):
             end = start + len(job.inputs)

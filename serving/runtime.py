@@ -1,34 +1,87 @@
-"""Run an artifact with ONNX Runtime: CUDA when the GPU build and a GPU are there, else CPU. No torch."""
+"""Run an artifact with ONNX Runtime: CUDA when the GPU build and a GPU are there, else CPU. No torch.
+
+On CUDA a run goes through IO binding: per batch shape, one set of device buffers (the inputs and the outputs
+asked for) is bound once and reused, so a run is one host-to-device copy per input and one device-to-host copy
+per output asked for, with no device buffer allocated per run. Batches are padded to a few bucket lengths (multiples of 16 on CUDA)
+so that those buffer sets, the CUDA memory arena and the kernels see few distinct shapes; the attention mask
+keeps the padding out of every result. On CPU both are off unless asked for: the plain ``session.run`` path.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
 
-from .artifact import Artifact, load_artifact
+from .artifact import Artifact, TaskEntry, load_artifact
 from .predictions import TextInput
-from .tokenize import Encoded, Encoder
+from .tokenize import Encoded, Encoder, bucket_length, bucket_lengths
+
+DEVICES = ("auto", "cpu", "cuda")
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+GPU_INSTALL = 'pip uninstall -y onnxruntime && pip install "fusionserve[gpu]"'
+CUDA_BUCKET = 16  # default bucket size on CUDA: waste at most 15 tokens per row, 8 shapes up to 128 tokens
+_POOL_SHAPES = 32  # bound buffer sets kept, one per (batch, length, outputs); the least recently used go first
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
+class DeviceError(FusionServeError):
+    """The device asked for cannot be used on this machine or with this onnxruntime build."""
+
+
+def cuda_available() -> bool:
+    """Whether this onnxruntime build has the CUDA provider. A usable GPU shows only when a session starts on it."""
+    return CUDA in ort.get_available_providers()
+
+
+def resolve_device(device: str = "auto") -> str:
+    """'cuda' or 'cpu' for ``device`` (auto | cpu | cuda); auto is cuda when the CUDA provider is installed.
+
+    Raises DeviceError for an unknown name, or for 'cuda' when this onnxruntime build has no CUDA provider."""
+    if device not in DEVICES:
+        raise DeviceError(f"unknown device '{device}'; allowed: {', '.join(DEVICES)}")
+    if device == "cpu":
+        return "cpu"
+    if cuda_available():
+        return "cuda"
+    if device == "cuda":
+        raise DeviceError(
+            f"device 'cuda' asked for, but onnxruntime {ort.__version__} has no CUDAExecutionProvider "
+            f"(available: {', '.join(ort.get_available_providers())}); install the GPU build: {GPU_INSTALL} "
+            "(both wheels install the same 'onnxruntime' module, so the CPU one must go first)"
+        )
+    return "cpu"
 
 
 def providers(prefer_gpu: bool = True) -> list[str]:
     """CUDA first when this onnxruntime build has it, CPU always last."""
     available = ort.get_available_providers()
-    chosen = ["CUDAExecutionProvider"] if prefer_gpu and "CUDAExecutionProvider" in available else []
-    return [*chosen, "CPUExecutionProvider"]
+    chosen = [CUDA] if prefer_gpu and CUDA in available else []
+    return [*chosen, CPU]
 
 
-def make_session(path: Path, threads: int | None = None, prefer_gpu: bool = True, spin: bool = True) -> ort.InferenceSession:
+def make_session(
+    path: Path, threads: int | None = None, prefer_gpu: bool = True, spin: bool = True, device: str | None = None
+) -> ort.InferenceSession:
     """An InferenceSession with all graph optimizations; ``threads`` sets intra-op threads (default: the CPUs
     this process may use). ``spin=False`` stops idle worker threads from busy-waiting for the next run: right for
-    a server whose other processes (HTTP proxy, ingress) need the same cores between runs.
-    Raises FusionServeError when the file is not a loadable model."""
+    a server whose other processes (HTTP proxy, ingress) need the same cores between runs. ``device`` (auto |
+    cpu | cuda) overrides ``prefer_gpu`` (True means auto, False cpu); CPU stays last for the operators CUDA lacks.
+
+    Raises FusionServeError when the file is not a loadable model, DeviceError when ``device`` is unknown or is
+    'cuda' and the CUDA provider is missing or does not start (ONNX Runtime itself would fall back to CPU)."""
+    wanted = device if device is not None else ("auto" if prefer_gpu else "cpu")
+    chosen = [CUDA, CPU] if resolve_device(wanted) == "cuda" else [CPU]
     opts = ort.SessionOptions()
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -37,9 +90,16 @@ def make_session(path: Path, threads: int | None = None, prefer_gpu: bool = True
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     try:
-        return ort.InferenceSession(str(path), opts, providers=providers(prefer_gpu))
+        session = ort.InferenceSession(str(path), opts, providers=chosen)
     except Exception as exc:  # onnxruntime raises its own exception types from C++
         raise FusionServeError(f"cannot load {path} with ONNX Runtime: {exc}") from None
+    if wanted == "cuda" and CUDA not in session.get_providers():
+        raise DeviceError(
+            f"device 'cuda': onnxruntime {ort.__version__} has the CUDA provider but it did not start for {path}: "
+            "no usable GPU (check `nvidia-smi` and CUDA_VISIBLE_DEVICES) or the CUDA / cuDNN libraries this "
+            "onnxruntime-gpu was built for are missing (see its requirements page); use --device cpu to run on CPU"
+        )
+    return session
 
 
 @dataclass(frozen=True)
@@ -49,47 +109,165 @@ class Output:
     encoded: Encoded
 
 
+@dataclass
+class _Bound:
+    """One IO binding with its buffers, for one batch shape and one set of outputs."""
+
+    binding: Any  # ort.IOBinding
+    inputs: dict[str, ort.OrtValue]
+
+
+class _BindingPool:
+    """Bound buffer sets by key, taken for one run and given back, so that concurrent runs of one shape (two
+    tasks' batches in two threads) never share buffers. Keeps the ``capacity`` most recently used keys."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: OrderedDict[tuple[int, ...], list[_Bound]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[int, ...]) -> _Bound | None:
+        with self._lock:
+            free = self._free.get(key)
+            return free.pop() if free else None
+
+    def give(self, key: tuple[int, ...], bound: _Bound) -> None:
+        with self._lock:
+            self._free.setdefault(key, []).append(bound)
+            self._free.move_to_end(key)
+            while len(self._free) > self.capacity:
+                self._free.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._free.values())
+
+
 class OnnxRunner:
-    """Texts -> logits for any task of an artifact (see ``serving.predictions.Runner``)."""
+    """Texts -> logits for any task of an artifact (see ``serving.predictions.Runner``).
+
+    ``device``: auto | cpu | cuda, overriding ``prefer_gpu`` (see ``make_session``). ``io_binding``: run through
+    IO binding with reused buffers; None means on for CUDA, off for CPU (where it works too). ``seq_buckets``:
+    pad each batch to the next bucket length — an int N for multiples of N (0: off) or a list of lengths, capped
+    at the artifact's token limit; None means 16 on CUDA, off on CPU.
+
+    Raises ArtifactError / FusionServeError for an unusable artifact, DeviceError for an unusable device, and
+    FusionServeError for bad ``seq_buckets``."""
 
     def __init__(
-        self, artifact: Artifact | str | Path, threads: int | None = None, prefer_gpu: bool = True, spin: bool = True
+        self,
+        artifact: Artifact | str | Path,
+        threads: int | None = None,
+        prefer_gpu: bool = True,
+        spin: bool = True,
+        *,
+        device: str | None = None,
+        io_binding: bool | None = None,
+        seq_buckets: int | Sequence[int] | None = None,
     ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = make_session(self.artifact.model_path, threads, prefer_gpu, spin)
+        self.session = make_session(self.artifact.model_path, threads, prefer_gpu, spin, device)
         self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
         # a graph with one task and no adapter never reads task_id: the exporter dropped that input
         self._inputs = {i.name for i in self.session.get_inputs()}
+        self._outputs = {o.name: o for o in self.session.get_outputs()}
+        self.device = "cuda" if self.provider == CUDA else "cpu"  # where the session runs
+        on_cuda = self.device == "cuda"
+        self.io_binding = on_cuda if io_binding is None else bool(io_binding)
+        buckets = (CUDA_BUCKET if on_cuda else 0) if seq_buckets is None else seq_buckets
+        self.bucket_lengths = bucket_lengths(self.artifact.max_seq_len, buckets)
+        self._pool = _BindingPool(_POOL_SHAPES)
 
     @property
     def labels(self) -> dict[str, tuple[str, ...]]:
         return {name: t.labels for name, t in self.artifact.tasks.items()}
 
+    def task(self, name: str) -> TaskEntry:
+        """The task called ``name``; raises ArtifactError naming the known tasks."""
+        return self.artifact.task(name)
+
     @property
     def provider(self) -> str:
         return str(self.session.get_providers()[0])
+
+    def padded_length(self, seq_len: int) -> int:
+        """The sequence length a batch padded to ``seq_len`` tokens is run at: its bucket, or itself."""
+        return bucket_length(seq_len, self.bucket_lengths)
 
     def run(self, task: str, encoded: Encoded, return_fusion_activations: bool = False) -> Output:
         """One forward pass on an encoded batch. Raises ArtifactError for an unknown task."""
         entry = self.artifact.task(task)
         if return_fusion_activations and entry.kind != "fusion":
             raise FusionServeError(f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations")
+        seq = encoded.input_ids.shape[1]
+        padded = self.encoder.pad_to(encoded, self.padded_length(seq))
         feeds = {
-            "input_ids": encoded.input_ids,
-            "attention_mask": encoded.attention_mask,
-            "token_type_ids": encoded.token_type_ids,
+            "input_ids": padded.input_ids,
+            "attention_mask": padded.attention_mask,
+            "token_type_ids": padded.token_type_ids,
             "task_id": np.array([entry.index], dtype=np.int64),
         }
+        feeds = {k: v for k, v in feeds.items() if k in self._inputs}
         names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
-        out = self.session.run(names, {k: v for k, v in feeds.items() if k in self._inputs})
+        out = self._run_bound(names, feeds) if self.io_binding else self.session.run(names, feeds)
         logits = out[0][:, : len(entry.labels)].astype(np.float32)
         acts = None
         if return_fusion_activations:
             columns = [self.artifact.adapters.index(a) for a in entry.adapters]
-            acts = out[1][..., columns].astype(np.float32)
+            acts = out[1][:, :, :seq][..., columns].astype(np.float32)  # (batch, layers, seq, task adapters)
         return Output(logits, acts, encoded)
 
     def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
         self.artifact.task(task)  # unknown task: a clear error before tokenizing
         enc = self.encoder.encode(inputs)
         return self.run(task, enc).logits, enc.truncated
+
+    # --- IO binding -------------------------------------------------------------------------------------------
+
+    def _run_bound(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        batch, seq = feeds["input_ids"].shape
+        key = (batch, seq, len(names))
+        bound = self._pool.take(key) or self._bind(names, batch, seq)
+        try:
+            for name, value in feeds.items():
+                bound.inputs[name].update_inplace(np.ascontiguousarray(value))
+            self.session.run_with_iobinding(bound.binding)
+            values = [v.numpy() for v in bound.binding.get_outputs()]
+        finally:
+            self._pool.give(key, bound)
+        # on CPU numpy() is a view of the buffer the next run of this shape overwrites; from CUDA it is a fresh copy
+        return [v.copy() for v in values] if self.device == "cpu" else values
+
+    def _bind(self, names: list[str], batch: int, seq: int) -> _Bound:
+        where = self.device
+        binding = self.session.io_binding()
+        inputs = {}
+        for i in self.session.get_inputs():
+            shape = (1,) if i.name == "task_id" else (batch, seq)
+            inputs[i.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY_TYPES[i.type], where, 0)
+            binding.bind_ortvalue_input(i.name, inputs[i.name])
+        for name in names:
+            out_shape = self._output_shape(name, batch, seq)
+            dtype = _NUMPY_TYPES.get(self._outputs[name].type)
+            if out_shape is None or dtype is None:  # not what the exporter writes: ONNX Runtime allocates it per run
+                binding.bind_output(name, where, 0)
+            else:
+                value = ort.OrtValue.ortvalue_from_shape_and_type(out_shape, dtype, where, 0)
+                binding.bind_ortvalue_output(name, value)
+        return _Bound(binding, inputs)
+
+    def _output_shape(self, name: str, batch: int, seq: int) -> tuple[int, ...] | None:
+        # logits: (batch, max labels over tasks), its second dimension unnamed after optimization;
+        # fusion_activations: (batch, layers, sequence, adapters)
+        known = {"batch": batch, "sequence": seq}
+        dims = []
+        for i, dim in enumerate(self._outputs[name].shape):
+            if isinstance(dim, int):
+                dims.append(dim)
+            elif dim in known:
+                dims.append(known[dim])
+            elif name == "logits" and i == 1:
+                dims.append(max(len(t.labels) for t in self.artifact.tasks.values()))
+            else:
+                return None
+        return tuple(dims)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from typing import Any
 from fusionserve.errors import FusionServeError
 
 from .artifact import load_artifact
+from .runtime import DEVICES, DeviceError, resolve_device
 
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
 
@@ -34,6 +36,7 @@ class ServerConfig:
     max_inputs: int = 64
     max_body_bytes: int = 1_000_000
     threads: int | None = None  # per replica; default: this machine's CPUs / replicas
+    device: str = "auto"  # auto | cpu | cuda: see serving/runtime.py
 
     def __post_init__(self) -> None:
         checks = {
@@ -50,27 +53,53 @@ class ServerConfig:
                 raise FusionServeError(f"{name} = {value} is out of range; allowed: {allowed}")
         if self.threads is not None and self.threads < 1:
             raise FusionServeError(f"--threads = {self.threads} is out of range; allowed: >= 1")
+        if self.device not in DEVICES:
+            raise FusionServeError(f"--device = '{self.device}' is not known; allowed: {', '.join(DEVICES)}")
 
     @property
     def threads_per_replica(self) -> int:
         return self.threads or max(1, len(os.sched_getaffinity(0)) // self.replicas)
 
 
-def build_app(cfg: ServerConfig, metrics_dir: str | None = None) -> Any:
+def placement(device: str, gpus: float, replicas: int) -> tuple[str, float]:
+    """(device each replica runs on, GPUs each reserves) for ``--device`` when Ray sees ``gpus`` GPUs: CUDA
+    replicas spread over the GPUs and share one when there are more replicas than GPUs (Ray gives each replica
+    its GPU through CUDA_VISIBLE_DEVICES). auto falls back to CPU when the CUDA provider or a GPU is missing.
+
+    Raises DeviceError for 'cuda' without the CUDA provider or without a GPU Ray can see."""
+    if resolve_device(device) == "cpu":
+        return "cpu", 0.0
+    whole = int(gpus)
+    if whole < 1:
+        if device == "cuda":
+            raise DeviceError(
+                "--device cuda: onnxruntime has the CUDA provider but Ray sees no GPU on this node or cluster "
+                "(check `nvidia-smi`, CUDA_VISIBLE_DEVICES, and `docker run --gpus all` in a container)"
+            )
+        return "cpu", 0.0
+    return "cuda", 1.0 / math.ceil(replicas / whole)
+
+
+def build_app(cfg: ServerConfig, metrics_dir: str | None = None, gpus: float = 0.0) -> Any:
     """The Serve application: ``cfg.replicas`` replicas of FusionServe (HTTP, validation, batching, ONNX Runtime,
-    metrics). With ``metrics_dir`` the replicas pool their Prometheus samples there."""
-    from .app import deployment
+    metrics). With ``metrics_dir`` the replicas pool their Prometheus samples there; ``gpus`` is how many GPUs
+    Ray sees (see ``placement``). Raises ArtifactError or DeviceError."""
+    from .app import actor_options, deployment
     from .schemas import Limits
 
     load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
+    device, gpus_per_replica = placement(cfg.device, gpus, cfg.replicas)
     # past max_ongoing, requests wait in Serve's router, which polls with backoff: measured here, 64 clients on a
     # replica holding 32 fell from 46 to 13 req/s. Holding 4 batches lets the batch queue absorb them instead.
-    dep = deployment(cfg.replicas, cfg.threads_per_replica, cfg.max_ongoing or 4 * cfg.max_batch_size, cfg.max_queued)
+    max_ongoing = cfg.max_ongoing or 4 * cfg.max_batch_size
+    dep = deployment(cfg.replicas, cfg.threads_per_replica, max_ongoing, cfg.max_queued, gpus_per_replica)
     if metrics_dir:
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-        dep = dep.options(ray_actor_options={"num_cpus": cfg.threads_per_replica, "runtime_env": {"env_vars": env}})
+        options = actor_options(cfg.threads_per_replica, gpus_per_replica) | {"runtime_env": {"env_vars": env}}
+        dep = dep.options(ray_actor_options=options)
     limits = Limits(cfg.max_inputs, cfg.max_body_bytes)
-    return dep.bind(str(cfg.artifact.resolve()), limits, cfg.max_batch_size, cfg.batch_wait_ms / 1000, cfg.threads_per_replica)
+    artifact = str(cfg.artifact.resolve())
+    return dep.bind(artifact, limits, cfg.max_batch_size, cfg.batch_wait_ms / 1000, cfg.threads_per_replica, device)
 
 
 def start(cfg: ServerConfig) -> str:
@@ -80,10 +109,13 @@ def start(cfg: ServerConfig) -> str:
     from ray import serve
 
     global _metrics_dir
-    _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
-    app = build_app(cfg, _metrics_dir)
+    # a missing artifact or CUDA provider fails before Ray starts; how many GPUs there are, Ray tells
+    load_artifact(cfg.artifact, verify=False)
+    resolve_device(cfg.device)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
+    app = build_app(cfg, _metrics_dir, float(ray.cluster_resources().get("GPU", 0.0)))
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(app, name="fusionserve", route_prefix="/")
     return f"http://{cfg.host}:{cfg.port}"

@@ -1,9 +1,11 @@
-"""Texts -> padded id arrays with a fast WordPiece tokenizer (``tokenizers``, no torch, no transformers)."""
+"""Texts -> padded id arrays with a fast WordPiece tokenizer (``tokenizers``, no torch, no transformers), and the
+bucket lengths a runtime may pad a batch to."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ class Encoder:
         if pad_id is None:
             raise FusionServeError(f"the tokenizer has no pad token {pad_token!r} in its vocabulary")
         self.max_length = max_length
+        self.pad_id = int(pad_id)
         # private copies: the padding/truncation settings are ours, the caller's tokenizer is left as it was
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.no_truncation()
@@ -64,6 +67,49 @@ class Encoder:
             token_type_ids=np.asarray([e.type_ids for e in encs], dtype=np.int64),
             truncated=[len(e.overflowing) > 0 for e in encs],
         )
+
+    def pad_to(self, encoded: Encoded, length: int) -> Encoded:
+        """``encoded`` padded on the right to ``length`` tokens (pad id, mask 0, segment 0); the same object when it
+        is that long already. Raises ValueError when ``length`` is shorter than the batch."""
+        seq = encoded.input_ids.shape[1]
+        if length < seq:
+            raise ValueError(f"cannot pad a batch of {seq} tokens to {length}")
+        if length == seq:
+            return encoded
+        widths = ((0, 0), (0, length - seq))
+        return replace(
+            encoded,
+            input_ids=np.pad(encoded.input_ids, widths, constant_values=self.pad_id),
+            attention_mask=np.pad(encoded.attention_mask, widths),
+            token_type_ids=np.pad(encoded.token_type_ids, widths),
+        )
+
+
+def bucket_lengths(max_length: int, buckets: int | Sequence[int]) -> tuple[int, ...]:
+    """The lengths batches get padded to: every multiple of ``buckets`` (an int) or the given lengths, those under
+    ``max_length``, then ``max_length`` itself. ``buckets`` = 0 means no bucketing: an empty tuple.
+
+    Raises FusionServeError for a negative size, an empty list or a length below 1."""
+    if isinstance(buckets, bool) or not isinstance(buckets, (int, Sequence)):
+        raise FusionServeError(f"seq_buckets must be an int >= 0 or a list of lengths, got {buckets!r}")
+    if isinstance(buckets, int):
+        if buckets < 0:
+            raise FusionServeError(f"seq_buckets = {buckets} is out of range; allowed: 0 (off) or a bucket size >= 1")
+        if buckets == 0:
+            return ()
+        lengths = set(range(buckets, max_length, buckets))
+    else:
+        if not buckets or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in buckets):
+            raise FusionServeError(f"seq_buckets = {list(buckets)!r}: the lengths must be ints >= 1, at least one")
+        lengths = {n for n in buckets if n < max_length}
+    return (*sorted(lengths), max_length)
+
+
+def bucket_length(seq_len: int, lengths: tuple[int, ...]) -> int:
+    """The first of ``lengths`` (ascending, see ``bucket_lengths``) that holds ``seq_len`` tokens; ``seq_len``
+    itself when there are no buckets or none is long enough."""
+    i = bisect.bisect_left(lengths, seq_len)
+    return lengths[i] if i < len(lengths) else seq_len
 
 
 def _item(i: TextInput) -> str | tuple[str, str]:
