@@ -199,10 +199,11 @@ def _r_frame(reviews: list[str], scores: list[str]) -> bytes:
     rdata = pytest.importorskip("rdata")
     import pandas as pd
 
+    # object columns: with pyarrow installed pandas 3 stores strings as Arrow arrays, which rdata cannot write
     frame = pd.DataFrame(
         {
-            "product": [f"B{i:09d}" for i in range(len(reviews))],
-            "review": reviews,
+            "product": pd.Series([f"B{i:09d}" for i in range(len(reviews))], dtype=object),
+            "review": pd.Series(reviews, dtype=object),
             "score": pd.Categorical(scores, categories=["great", "other"]),
         }
     )
