@@ -9,6 +9,7 @@ import datetime as dt
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
 
-from .model import FusionBertModel
+from .model import Dropped, FusionBertModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
 from .predict import load_tokenizer, max_length
 from .spec import ModelSpec, load_spec
@@ -93,8 +94,12 @@ def export_artifact(
     opset: int = DEFAULT_OPSET,
     force: bool = False,
     progress: bool = True,
+    tasks: Sequence[str] | None = None,
+    dropped: Dropped | None = None,
+    pruning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Export a spec to an artifact folder and return its manifest.
+    """Export a spec to an artifact folder and return its manifest. ``tasks`` serves only those tasks of the spec;
+    ``dropped`` prunes fusions (see ``model.build_model``) and ``pruning`` is recorded in the manifest with it.
 
     Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
     Runtime disagrees with PyTorch beyond the tolerance) or FusionServeError (bad options, existing folder)."""
@@ -112,9 +117,11 @@ def export_artifact(
         steps.update(1)
 
     spec = load_spec(spec_path)
+    if tasks:
+        spec = spec.select(tasks)
     from .model import build_model
 
-    model = build_model(spec)
+    model = build_model(spec, dropped)
     tok = load_tokenizer(spec.base_model)
     limit = max_length(tok, model)
     if max_seq_len is None:
@@ -157,6 +164,8 @@ def export_artifact(
         manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token))
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
+        if pruning is not None:
+            manifest["pruning"] = pruning
         manifest["io"] = {"inputs": [i.name for i in session.get_inputs()], "outputs": list(OUTPUTS)}  # type: ignore[attr-defined]
         manifest = write_manifest(work, manifest)
         step("manifest written")

@@ -7,6 +7,7 @@ attention pattern ONNX Runtime's transformer optimizer fuses. ``forward`` is pur
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,12 +197,21 @@ def load_backbone(folder: str, use_pooler: bool) -> BertModel:
     return bert.eval()
 
 
-def build_model(spec: ModelSpec) -> FusionBertModel:
+# task -> per layer, the adapters removed from that task's fusion there (see prune.py)
+Dropped = Mapping[str, Sequence[frozenset[str]]]
+
+
+def build_model(spec: ModelSpec, dropped: Dropped | None = None) -> FusionBertModel:
     """Load every checkpoint a spec names and assemble the folded model.
 
+    ``dropped`` prunes fusions: a task's fusion mixes only the adapters not dropped in a layer (the softmax
+    renormalises over them), and nothing where all are dropped. A layer's stack holds only the adapters some task
+    still uses there, so pruning an adapter no other task needs removes its cost from that layer.
+
     Raises SpecError or CheckpointError: a fusion naming an adapter the spec lacks, hidden sizes that
-    disagree, missing weights, unsupported configurations.
+    disagree, missing weights, unsupported configurations, pruning of a task without fusion.
     """
+    dropped = dict(dropped or {})
     heads = {name: load_head(t.head) for name, t in spec.tasks.items()}
     bert = load_backbone(str(spec.base_model), use_pooler=any(h.use_pooler for h in heads.values()))
     config = bert.config
@@ -225,7 +235,24 @@ def build_model(spec: ModelSpec) -> FusionBertModel:
                 f"{t.fusion}: the fusion of task '{name}' names adapter(s) {missing} that the spec lacks "
                 f"(spec adapters: {', '.join(adapters) or 'none'})"
             )
-    used = {a for f in fusions.values() for a in f.adapter_names} | {t.adapter for t in spec.tasks.values() if t.adapter}
+    for task, layers in dropped.items():
+        if task not in fusions:
+            kind = spec.task(task).kind
+            raise SpecError(f"cannot prune task '{task}': it has no fusion layer ({kind} task); only fusions are pruned")
+        if len(layers) != n_layers:
+            raise SpecError(f"pruning of task '{task}' lists {len(layers)} layers; the base model has {n_layers}")
+
+    def mixed(task: str, i: int) -> tuple[str, ...]:
+        """The adapters ``task`` mixes in layer ``i``, in its fusion's order (before checking which exist there)."""
+        t = spec.tasks[task]
+        if task in fusions:
+            gone = dropped[task][i] if task in dropped else frozenset()
+            return tuple(a for a in fusions[task].adapter_names if a not in gone)
+        return (t.adapter,) if t.adapter else ()
+
+    # per layer, the adapters some task uses there: the layer's stack (an adapter absent from a layer is not in it)
+    used_in = [{a for task in spec.tasks for a in mixed(task, i) if i in adapters[a].layers} for i in range(n_layers)]
+    used = set().union(*used_in)
     names = tuple(a for a in adapters if a in used)  # spec order; unused adapters are validated, not served
     acts = {adapters[a].non_linearity for a in names}
     if len(acts) > 1:
@@ -239,7 +266,7 @@ def build_model(spec: ModelSpec) -> FusionBertModel:
     stacks: list[tuple[str, ...]] = []
     per_layer: dict[str, list[tuple[str, ...]]] = {task: [] for task in spec.tasks}
     for i in range(n_layers):
-        stack_names = tuple(a for a in names if i in adapters[a].layers)
+        stack_names = tuple(a for a in names if a in used_in[i])
         stacks.append(stack_names)
         if not stack_names:
             blocks.append(PlainBlock())
@@ -252,7 +279,7 @@ def build_model(spec: ModelSpec) -> FusionBertModel:
         for task, t in spec.tasks.items():
             if task in fusions:
                 fusion = fusions[task]
-                present = tuple(a for a in fusion.adapter_names if a in stack_names)
+                present = tuple(a for a in mixed(task, i) if a in stack_names)
                 if present and i not in fusion.layers:
                     raise CheckpointError(f"{t.fusion}: missing fusion weights for layer {i}")
                 members = [stack_names.index(a) for a in present]
@@ -274,7 +301,14 @@ def build_model(spec: ModelSpec) -> FusionBertModel:
     infos = []
     for task, t in spec.tasks.items():
         kind = t.kind
-        task_adapters = fusions[task].adapter_names if task in fusions else ((t.adapter,) if t.adapter else ())
+        if task in dropped:  # a pruned fusion reports only the adapters it still mixes somewhere
+            task_adapters = tuple(a for a in fusions[task].adapter_names if any(a in layer for layer in per_layer[task]))
+            if not task_adapters:
+                raise SpecError(f"pruning leaves task '{task}' without any adapter in any layer; keep at least one")
+        elif task in fusions:
+            task_adapters = fusions[task].adapter_names
+        else:
+            task_adapters = (t.adapter,) if t.adapter else ()
         infos.append(TaskInfo(task, kind, heads[task].labels, tuple(task_adapters), tuple(per_layer[task])))
     head_modules = [ClassificationHead(heads[task]) for task in spec.tasks]
     return FusionBertModel(bert, blocks, head_modules, infos, names, stacks)

@@ -10,8 +10,10 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fusionserve.errors import CheckpointError, SpecError
+from fusionserve.serving.artifact import TaskEntry
 from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.tokenize import Encoder
+from fusionserve.serving.runtime import Output
+from fusionserve.serving.tokenize import Encoded, Encoder
 
 from .model import FusionBertModel, build_model
 from .spec import ModelSpec, load_spec
@@ -50,11 +52,26 @@ class TorchRunner:
     def labels(self) -> dict[str, tuple[str, ...]]:
         return {name: info.labels for name, info in self.model.task_infos.items()}
 
-    def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
-        if task not in self.model.infos:
-            raise SpecError(f"unknown task '{task}'; known tasks: {', '.join(self.model.infos)}")
-        enc = self.encoder.encode(inputs)
-        ids, mask, types = (torch.from_numpy(t) for t in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
+    def task(self, name: str) -> TaskEntry:
+        """The task called ``name`` as an artifact would describe it; raises SpecError naming the known tasks."""
+        if name not in self.model.infos:
+            raise SpecError(f"unknown task '{name}'; known tasks: {', '.join(self.model.infos)}")
+        info = self.model.infos[name]
+        return TaskEntry(name, self.model.task_index[name], info.kind, info.labels, info.adapters, info.adapters_per_layer)
+
+    def run(self, task: str, encoded: Encoded, return_fusion_activations: bool = False) -> Output:
+        """One forward pass on an encoded batch, like ``serving.runtime.OnnxRunner.run``. Raises SpecError for an
+        unknown task, or when activations are asked of a task without fusion."""
+        ids, mask, types = (torch.from_numpy(t) for t in (encoded.input_ids, encoded.attention_mask, encoded.token_type_ids))
         with torch.inference_mode():
-            out = self.model.classify(ids, mask, types, task=task)
-        return out.numpy(), enc.truncated
+            out = self.model.classify(
+                ids, mask, types, task=self.task(task).name, return_fusion_activations=return_fusion_activations
+            )
+        if isinstance(out, tuple):
+            return Output(out[0].numpy(), out[1].numpy(), encoded)
+        return Output(out.numpy(), None, encoded)
+
+    def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
+        self.task(task)  # unknown task: a clear error before tokenizing
+        enc = self.encoder.encode(inputs)
+        return self.run(task, enc).logits, enc.truncated

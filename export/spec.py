@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,6 +79,14 @@ class ModelSpec:
         if name not in self.tasks:
             raise SpecError(f"unknown task '{name}'; known tasks: {', '.join(self.tasks)}")
         return self.tasks[name]
+
+    def select(self, names: Sequence[str]) -> ModelSpec:
+        """The same spec serving only the tasks ``names``, in that order (adapters no kept task uses are not
+        served). Raises SpecError for an unknown or repeated task."""
+        repeated = sorted({n for n in names if list(names).count(n) > 1})
+        if repeated:
+            raise SpecError(f"task(s) {repeated} named more than once")
+        return replace(self, tasks={n: self.task(n) for n in names})
 
 
 def _read_mapping(path: Path) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class TaskEntry:
     kind: str  # fusion | adapter | head
     labels: tuple[str, ...]
     adapters: tuple[str, ...]  # fusion: in the fusion's order
+    adapters_per_layer: tuple[tuple[str, ...], ...] = ()  # per layer, which of them act there
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def load_artifact(folder: str | Path, verify: bool = True) -> Artifact:
     tasks = {}
     try:
         for name, t in manifest["tasks"].items():
-            tasks[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]))
+            per_layer = tuple(tuple(layer) for layer in t.get("adapters_per_layer", ()))
+            tasks[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path}: field 'tasks' is malformed ({exc!r})") from None
     if not tasks:
@@ -160,4 +162,10 @@ def render_manifest(manifest: dict[str, Any]) -> str:
             "head": "head only",
         }
         lines.append(f"  {name:<16} {what.get(t['kind'], t['kind'])}; labels: {', '.join(t['labels'])}")
+    pruning = manifest.get("pruning")
+    if pruning:
+        lines.append(f"pruned      {pruning['rule']['summary']} (activations: {pruning['stats']['path']})")
+        for task, t in pruning["tasks"].items():
+            for layer, kept in enumerate(t["kept_per_layer"]):
+                lines.append(f"  {task} L{layer}: {', '.join(kept) or '- (fusion dropped)'}")
     return "\n".join(lines)
