@@ -139,6 +139,17 @@ class PlainBlock(nn.Module):
 class AdapterLayerBlock(nn.Module):
     """All adapters present in one layer, stacked and shared by every task, plus every task's folded weights."""
 
+    # buffers (registered in __init__), declared for type checkers
+    down_w: torch.Tensor
+    down_b: torch.Tensor
+    score_w: torch.Tensor
+    score_b: torch.Tensor
+    out_w: torch.Tensor
+    out_b: torch.Tensor
+    mask: torch.Tensor
+    gate: torch.Tensor
+    query_before_ln: torch.Tensor
+
     def __init__(self, stack: Sequence[AdapterLayer], act: str, tasks: Sequence[TaskLayer]) -> None:
         super().__init__()
         if not stack or not tasks:

@@ -123,7 +123,7 @@ class FusionBertModel(nn.Module):
         logits = logits[0] if len(self.heads) == 1 else logits.index_select(0, task_id).squeeze(0)
         return logits, torch.stack(acts, dim=1)  # (batch, max_labels), (batch, layers, seq, n_adapters)
 
-    def _padded_head(self, head: ClassificationHead, first: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    def _padded_head(self, head: nn.Module, first: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         out = head(pooled if head.use_pooler else first)  # (batch, num_labels)
         return F.pad(out, (0, self.max_labels - out.shape[-1]))
 
@@ -217,7 +217,8 @@ def build_model(spec: ModelSpec, dropped: Dropped | None = None) -> FusionBertMo
     config = bert.config
     n_layers = config.num_hidden_layers
     adapters = {name: load_adapter(folder) for name, folder in spec.adapters.items()}
-    for ckpt in (*adapters.values(), *heads.values()):
+    checkpoints: list[AdapterCheckpoint | HeadCheckpoint] = [*adapters.values(), *heads.values()]
+    for ckpt in checkpoints:
         _check_hidden(ckpt, config)
     for ad in adapters.values():
         _check_layers(ad, n_layers)

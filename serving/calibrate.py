@@ -29,7 +29,7 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError, InputError
 
 from .artifact import TaskEntry, sha256
-from .predictions import LabelledInput, batched
+from .predictions import LabelledInput, Runner, batched
 from .runtime import Output
 from .tokenize import Encoded, Encoder
 
@@ -45,8 +45,8 @@ class MissingDependency(FusionServeError):
     """An optional package a feature needs is not installed."""
 
 
-class ActivationRunner(Protocol):
-    """A runner that also returns fusion activations (``OnnxRunner``, ``TorchRunner``)."""
+class ActivationRunner(Runner, Protocol):
+    """A runner that also describes its tasks and returns fusion activations (``OnnxRunner``, ``TorchRunner``)."""
 
     encoder: Encoder
 

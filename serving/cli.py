@@ -7,17 +7,20 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError, InputError
 
 from .artifact import MANIFEST, is_artifact, load_artifact, render_manifest
 from .default import ensure_artifact
-from .predictions import Runner, TextInput, batched, format_predictions, read_jsonl
+from .predictions import TextInput, batched, format_predictions, read_jsonl
+
+if TYPE_CHECKING:
+    from .calibrate import ActivationRunner
 
 
-def _open_runner(model: str) -> Runner:
+def _open_runner(model: str) -> ActivationRunner:
     """An artifact folder runs on ONNX Runtime; a spec file on the PyTorch model (needs the [export] extra)."""
     path = Path(model)
     if is_artifact(path):
