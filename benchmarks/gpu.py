@@ -24,7 +24,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -103,8 +102,9 @@ def _encoded(batch: int, seq: int, vocab: int, seed: int = 0):
 
 def run(workdir: Path, batches: list[int], seq: int, rounds_scale: float) -> dict:
     """Build (or reuse) the models and artifacts under ``workdir`` and time every variant; returns the results."""
-    from benchmarks.latency import time_round_robin
+    from benchmarks.latency import summary_ms
     from benchmarks.models import bert_base_folder, build
+    from fusionserve.serving.evaluate import time_round_robin
     from fusionserve.serving.runtime import OnnxRunner
 
     base = bert_base_folder(workdir)
@@ -135,16 +135,8 @@ def run(workdir: Path, batches: list[int], seq: int, rounds_scale: float) -> dic
         rounds = max(20, int(rounds_scale * (300 if batch <= 4 else 60)))
         print(f"-- batch {batch}, seq {seq}: {len(variants)} variants x {rounds} rounds", file=sys.stderr)
         # warm-up: cuBLAS picks its kernels and the CUDA memory arena grows on the first runs of a shape
-        times = time_round_robin(variants, rounds, warmup=20)
-        result["batches"][str(batch)] = {
-            k: {
-                "median_ms": statistics.median(v),
-                "p10_ms": float(np.percentile(v, 10)),
-                "p90_ms": float(np.percentile(v, 90)),
-                "runs": len(v),
-            }
-            for k, v in times.items()
-        }
+        times = time_round_robin(variants, rounds, warmup=20, progress=True)
+        result["batches"][str(batch)] = summary_ms(times)
     return result
 
 

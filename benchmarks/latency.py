@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import torch
 
 from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder
 from benchmarks.report import machine, record
+from fusionserve.serving.evaluate import time_round_robin
 
 HERE = Path(__file__).parent
 N_VALUES = (2, 8, 16)
@@ -93,23 +92,17 @@ def _feeds(batch: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndar
     }
 
 
-def time_round_robin(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Milliseconds per call for each variant, ``rounds`` rounds after ``warmup`` untimed calls each."""
-    for fn in variants.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    order = list(variants)
-    rng = random.Random(0)
-    for r in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            variants[name]()
-            times[name].append((time.perf_counter() - t0) * 1000)
-        print(f"\r  round {r + 1}/{rounds}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return times
+def summary_ms(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per variant: median, p10 and p90 milliseconds and the number of timed calls."""
+    return {
+        k: {
+            "median_ms": statistics.median(v),
+            "p10_ms": float(np.percentile(v, 10)),
+            "p90_ms": float(np.percentile(v, 90)),
+            "runs": len(v),
+        }
+        for k, v in times.items()
+    }
 
 
 def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int, rounds_scale: float) -> dict:
@@ -138,16 +131,7 @@ def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int
         work_units = batch * seq * (4 if name == "bert-base" else 1)
         rounds = max(5, int(rounds_scale * (40 if work_units <= 512 else 12 if work_units <= 4096 else 6)))
         print(f"-- {name}, batch {batch}, seq {seq}: {len(variants)} variants x {rounds} rounds", file=sys.stderr)
-        times = time_round_robin(variants, rounds)
-        result["batches"][str(batch)] = {
-            k: {
-                "median_ms": statistics.median(v),
-                "p10_ms": float(np.percentile(v, 10)),
-                "p90_ms": float(np.percentile(v, 90)),
-                "runs": len(v),
-            }
-            for k, v in times.items()
-        }
+        result["batches"][str(batch)] = summary_ms(time_round_robin(variants, rounds, progress=True))
     return result
 
 

@@ -19,7 +19,7 @@ import datetime as dt
 import json
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,7 +64,6 @@ class _Moments:
     s2: np.ndarray | None = None
     tokens: int = 0
     examples: int = 0
-    seen: list[int] = field(default_factory=list)
 
     def add(self, acts: np.ndarray, mask: np.ndarray) -> None:
         a = acts.astype(np.float64)  # (batch, layers, seq, adapters)

@@ -6,12 +6,13 @@ task does not have is reported with the reason and left out of the accuracy, and
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,24 +110,39 @@ def fixed_batch(runner: ActivationRunner, batch: int, seq: int) -> Encoded:
     return Encoded(ids, mask, types, [False] * batch)
 
 
+def time_round_robin(
+    variants: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2, progress: bool = False
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each variant, ``rounds`` rounds after ``warmup`` untimed calls each. Every round
+    calls every variant once, in a shuffled order, so that machine noise hits all of them alike and round r of
+    two variants can be compared."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    rng = random.Random(0)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(1000.0 * (time.perf_counter() - start))
+        if progress:
+            print(f"\r  round {r + 1}/{rounds}", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return times
+
+
 def latency_samples(
     runs: Mapping[str, tuple[ActivationRunner, str]], batch: int = 16, seq: int = 128, rounds: int = 20, warmup: int = 3
 ) -> dict[str, list[float]]:
-    """Milliseconds of one forward pass of each (runner, task) per round: every round runs every variant once, in a
-    shuffled order, so that machine noise hits all of them alike and round r of two variants can be compared."""
+    """Milliseconds of one forward pass of each (runner, task) per round (``time_round_robin``) on a batch of
+    ``batch`` sequences of ``seq`` tokens."""
     feeds = {name: fixed_batch(runner, batch, seq) for name, (runner, _) in runs.items()}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    order = list(runs)
-    shuffle = random.Random(0).shuffle
-    for r in range(warmup + rounds):
-        shuffle(order)
-        for name in order:
-            runner, task = runs[name]
-            start = time.perf_counter()
-            runner.run(task, feeds[name])
-            if r >= warmup:
-                times[name].append(1000.0 * (time.perf_counter() - start))
-    return times
+    calls = {name: functools.partial(runner.run, task, feeds[name]) for name, (runner, task) in runs.items()}
+    return time_round_robin(calls, rounds, warmup)
 
 
 def latency_ms(
