@@ -111,13 +111,16 @@ def score_inputs(
     """Score ``inputs`` in batches of similar token length; results in input order. Raises what the runner
     raises (unknown task, no fusion for activations, runtime failure)."""
     labels = runner.artifact.task(task).labels
-    # sorting pays only when the inputs span several batches; counting tokens costs a tokenization
-    lengths = runner.encoder.count_tokens(inputs) if len(inputs) > batch_size else [0] * len(inputs)
+    if not inputs:  # a chunk whose rows were all bad
+        return []
+    # tokenized once: the lengths to sort by, and every batch a slice of it padded to its own longest
+    encoded = runner.encoder.encode(inputs)
+    lengths = encoded.attention_mask.sum(axis=1)
     order = sorted(range(len(inputs)), key=lengths.__getitem__)
     out: list[Scored | None] = [None] * len(inputs)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        enc = runner.encoder.encode([inputs[i] for i in idx])
+        enc = encoded.rows(idx)
         res = runner.run(task, enc, return_fusion_activations=activations)
         acts = None
         if res.fusion_activations is not None:

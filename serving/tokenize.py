@@ -23,6 +23,16 @@ class Encoded:
     token_type_ids: np.ndarray  # (batch, seq) int64
     truncated: list[bool]  # per input: cut to max_length
 
+    def rows(self, idx: Sequence[int]) -> Encoded:
+        """Inputs ``idx`` as a batch of their own, padded to their longest: what encoding them alone gives."""
+        sel = np.asarray(idx, dtype=np.int64)
+        width = int(self.attention_mask[sel].sum(axis=1).max())  # padding is on the right
+
+        def cut(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(a[sel, :width])
+
+        return Encoded(cut(self.input_ids), cut(self.attention_mask), cut(self.token_type_ids), [self.truncated[i] for i in idx])
+
 
 class Encoder:
     """Batch tokenizer: pairs encoded as pairs, ``longest_first`` truncation to ``max_length``, padding to the

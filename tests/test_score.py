@@ -178,6 +178,16 @@ class _Recording(OnnxRunner):
         return super().run(task, encoded, return_fusion_activations)
 
 
+def test_rows_of_an_encoded_chunk_equal_encoding_those_rows_alone(runner):
+    inputs = [TextInput(t) for t in _texts(12, seed=2)] + [TextInput(a, b) for a, b in PAIRS]
+    chunk = runner.encoder.encode(inputs)
+    for idx in ([0], [3, 1, 7], [len(inputs) - 1, 0], list(range(len(inputs)))):
+        alone, part = runner.encoder.encode([inputs[i] for i in idx]), chunk.rows(idx)
+        for key in ("input_ids", "attention_mask", "token_type_ids"):
+            np.testing.assert_array_equal(getattr(part, key), getattr(alone, key), err_msg=f"{idx}: {key}")
+        assert part.truncated == alone.truncated
+
+
 def test_length_sorted_batches_pad_less_and_results_stay_in_input_order(artifact, runner):
     inputs = [TextInput(t) for t in _texts(30, seed=1)]
     rec = _Recording(artifact, prefer_gpu=False)
