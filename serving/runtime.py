@@ -233,10 +233,11 @@ class OnnxRunner:
                 bound.inputs[name].update_inplace(np.ascontiguousarray(value))
             self.session.run_with_iobinding(bound.binding)
             values = [v.numpy() for v in bound.binding.get_outputs()]
+            # on CPU numpy() is a view of the buffer the next run of this shape overwrites: copy it before the buffers
+            # go back to the pool, where another thread may take them at once; from CUDA it is a fresh copy already
+            return [v.copy() for v in values] if self.device == "cpu" else values
         finally:
             self._pool.give(key, bound)
-        # on CPU numpy() is a view of the buffer the next run of this shape overwrites; from CUDA it is a fresh copy
-        return [v.copy() for v in values] if self.device == "cpu" else values
 
     def _bind(self, names: list[str], batch: int, seq: int) -> _Bound:
         where = self.device
