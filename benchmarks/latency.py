@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder
 from benchmarks.report import machine, record
-from fusionserve.serving.evaluate import time_round_robin
+from fusionserve.scoring.timing import time_round_robin
 
 HERE = Path(__file__).parent
 N_VALUES = (2, 8, 16)
@@ -51,13 +51,13 @@ def _artifact(model: BenchModel, out: Path) -> Path:
 def _ort(path: Path, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
     from fusionserve.serving.runtime import make_session
 
-    session = make_session(path / "model.onnx", threads=THREADS, prefer_gpu=False)
+    session = make_session(path / "model.onnx", threads=THREADS, device="cpu")
     feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
     return lambda: session.run(["logits"], feeds)
 
 
 def _eager_ours(spec: Path, feeds: dict[str, np.ndarray], task: str) -> Callable[[], object]:
-    from fusionserve.export.model import build_model
+    from fusionserve.export.build import build_model
     from fusionserve.export.spec import load_spec
 
     model = build_model(load_spec(spec))

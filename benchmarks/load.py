@@ -119,7 +119,7 @@ def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[in
     from fusionserve.serving.predictions import TextInput
     from fusionserve.serving.runtime import OnnxRunner
 
-    runner = OnnxRunner(artifact, threads=threads, prefer_gpu=False)
+    runner = OnnxRunner(artifact, threads=threads, device="cpu")
     out = {}
     for b in batch_sizes:
         times, i = [], 0

@@ -68,10 +68,12 @@ def _variants(target: str, keep: int) -> dict[str, dict[str, Any]]:
 def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reuse: bool = False) -> dict[str, Any]:
     from fusionserve.export.artifact import export_artifact
     from fusionserve.export.prune import prune_artifact
+    from fusionserve.scoring.calibrate import calibrate
+    from fusionserve.scoring.evaluate import evaluate
+    from fusionserve.scoring.inputs import read_labelled_jsonl
+    from fusionserve.scoring.timing import latency_samples, paired_ratio
+    from fusionserve.serving.activations import stats_document
     from fusionserve.serving.artifact import load_artifact
-    from fusionserve.serving.calibrate import calibrate, stats_document
-    from fusionserve.serving.evaluate import evaluate, latency_samples, paired_ratio
-    from fusionserve.serving.predictions import read_labelled_jsonl
     from fusionserve.serving.runtime import OnnxRunner
 
     work.mkdir(parents=True, exist_ok=True)
@@ -81,7 +83,7 @@ def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reus
         export_artifact(spec, unpruned, max_seq_len=128, tasks=[target], force=True)
     stats_path = work / "stats.json"
     stats, _ = calibrate(
-        OnnxRunner(unpruned, THREADS, prefer_gpu=False), [target], read_labelled_jsonl(data["dev"], False), progress=True
+        OnnxRunner(unpruned, THREADS, device="cpu"), [target], read_labelled_jsonl(data["dev"], False), progress=True
     )
     stats_path.write_text(json.dumps(stats_document(stats, str(unpruned), data["dev"], 0), indent=2))
 
@@ -98,7 +100,7 @@ def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reus
         else:
             _, plans = prune_artifact(spec, stats_path, v["rule"], folder, v["tasks"], max_seq_len=128, force=True)
             kept[name] = [list(layer) for layer in plans[target].kept_per_layer]
-        runners[name] = OnnxRunner(folder, THREADS, prefer_gpu=False)
+        runners[name] = OnnxRunner(folder, THREADS, device="cpu")
 
     rows: dict[str, dict[str, Any]] = {}
     for name, runner in runners.items():
@@ -196,7 +198,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fusionserve.serving.default import DEFAULT_MODEL, SPEC_FILE
+    from fusionserve.cli.default import DEFAULT_MODEL, SPEC_FILE
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--spec", type=Path, default=DEFAULT_MODEL / SPEC_FILE, help="model spec (default: the built-in model)")

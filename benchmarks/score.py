@@ -16,7 +16,7 @@ noise hits all of them alike; the median is reported), by:
 - ``score --ray``: the same on Ray Data on a local Ray started once beforehand (its start-up is timed apart; actor
   start-up, each loading the model, is inside the figure)
 
-ARTIFACT defaults to the built-in model (``serving.default.ensure_artifact()``). Threads: the in-process runs and
+ARTIFACT defaults to the built-in model (``cli.default.ensure_artifact()``). Threads: the in-process runs and
 ``score`` use every core of this process; ``--ray`` runs one actor per core with one thread each.
 
 Writes benchmarks/results/score.json and the section in benchmarks/RESULTS.md (unless ``--no-record``).
@@ -73,7 +73,8 @@ def _in_process(runner, task: str, texts: list[str], batch_size: int, chunk_size
 
 
 def _score(artifact: Path, task: str, src: Path, out: Path, batch_size: int, chunk_size: int, ray: bool) -> Callable[[], float]:
-    from fusionserve.serving.score import ScoreConfig, score_file
+    from fusionserve.scoring.config import ScoreConfig
+    from fusionserve.scoring.score import score_file
 
     cfg = ScoreConfig(
         artifact, task, src, out, batch_size=batch_size, chunk_size=chunk_size, overwrite=True, progress=False, ray=ray
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = "python -m benchmarks.score " + " ".join(argv if argv is not None else sys.argv[1:])
 
+    from fusionserve.cli.default import ensure_artifact
     from fusionserve.serving.artifact import load_artifact, sha256
-    from fusionserve.serving.default import ensure_artifact
     from fusionserve.serving.runtime import OnnxRunner
 
     artifact = args.artifact or ensure_artifact()
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"score: {len(texts)} rows of {args.texts} ({len(set(texts))} distinct), task {task}, {cores} cores", file=sys.stderr)
 
     t0 = time.perf_counter()
-    runner = OnnxRunner(art, threads=cores, prefer_gpu=False)
+    runner = OnnxRunner(art, threads=cores, device="cpu")
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     sha256(src)

@@ -18,12 +18,14 @@ from tqdm import tqdm
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
+from fusionserve.serving.runtime import make_session
 
-from .model import Dropped, FusionBertModel
+from .build import Dropped
+from .model import FusionBertModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
-from .predict import load_tokenizer, max_length
 from .spec import ModelSpec, load_spec
-from .validate import check_parity, count_cases, cpu_session
+from .tokenizer import load_tokenizer, max_length
+from .validate import check_parity, count_cases
 
 PRECISIONS = ("fp32", "fp16")
 
@@ -86,6 +88,72 @@ def _manifest(
     }
 
 
+def _check_options(precision: str, opset: int, out: Path, force: bool) -> None:
+    if precision not in PRECISIONS:
+        raise FusionServeError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
+    if not 7 <= opset <= 23:
+        raise FusionServeError(f"--opset must be between 7 and 23, got {opset}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
+
+
+def _built(
+    spec_path: str | Path, tasks: Sequence[str] | None, dropped: Dropped | None, max_seq_len: int | None
+) -> tuple[ModelSpec, FusionBertModel, Any, int]:
+    """(spec, folded model, base tokenizer, token limit): the limit asked for, checked, or the tokenizer's."""
+    spec = load_spec(spec_path)
+    if tasks:
+        spec = spec.select(tasks)
+    from .build import build_model
+
+    model = build_model(spec, dropped)
+    tok = load_tokenizer(spec.base_model)
+    limit = max_length(tok, model)
+    if max_seq_len is None:
+        max_seq_len = limit
+    elif not 8 <= max_seq_len <= model.bert.config.max_position_embeddings:
+        raise FusionServeError(
+            f"--max-seq-len must be between 8 and {model.bert.config.max_position_embeddings} (the model's positions), got {max_seq_len}"
+        )
+    return spec, model, tok, max_seq_len
+
+
+class _Steps:
+    """One progress line for the export's six steps."""
+
+    def __init__(self, progress: bool) -> None:
+        self.progress = progress
+        self.bar = tqdm(
+            total=6, desc="export", disable=not progress, file=sys.stderr, bar_format="{desc} [{n}/{total}, {elapsed}]"
+        )
+
+    def __call__(self, what: str) -> None:
+        self.bar.set_description_str(f"export: {what}", refresh=False)
+        self.bar.update(1)
+
+
+def _validated_graph(
+    work: Path, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, step: _Steps
+) -> tuple[Any, FusionReport, Any]:
+    """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report).
+    Raises ExportError or ParityError."""
+    raw = work / "raw.onnx"
+    export_raw(model, raw, opset)
+    step("ONNX exported")
+    report: FusionReport = optimize(raw, work / MODEL_FILE, model, precision)
+    for extra in work.glob("raw.onnx*"):
+        extra.unlink()
+    step(f"optimized ({report.describe()})")
+    if report.missing:
+        print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
+    session = make_session(work / MODEL_FILE, device="cpu")
+    cases = count_cases(model, max_seq_len)
+    with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
+        parity = check_parity(session, model, precision, max_seq_len, progress=bar.update)
+    step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
+    return session, report, parity
+
+
 def export_artifact(
     spec_path: str | Path,
     out: str | Path,
@@ -99,65 +167,21 @@ def export_artifact(
     pruning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export a spec to an artifact folder and return its manifest. ``tasks`` serves only those tasks of the spec;
-    ``dropped`` prunes fusions (see ``model.build_model``) and ``pruning`` is recorded in the manifest with it.
+    ``dropped`` prunes fusions (see ``build.build_model``) and ``pruning`` is recorded in the manifest with it.
 
     Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
     Runtime disagrees with PyTorch beyond the tolerance) or FusionServeError (bad options, existing folder)."""
-    if precision not in PRECISIONS:
-        raise FusionServeError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
-    if not 7 <= opset <= 23:
-        raise FusionServeError(f"--opset must be between 7 and 23, got {opset}")
     out = Path(out).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
-    steps = tqdm(total=6, desc="export", disable=not progress, file=sys.stderr, bar_format="{desc} [{n}/{total}, {elapsed}]")
-
-    def step(what: str) -> None:
-        steps.set_description_str(f"export: {what}", refresh=False)
-        steps.update(1)
-
-    spec = load_spec(spec_path)
-    if tasks:
-        spec = spec.select(tasks)
-    from .model import build_model
-
-    model = build_model(spec, dropped)
-    tok = load_tokenizer(spec.base_model)
-    limit = max_length(tok, model)
-    if max_seq_len is None:
-        max_seq_len = limit
-    elif not 8 <= max_seq_len <= model.bert.config.max_position_embeddings:
-        raise FusionServeError(
-            f"--max-seq-len must be between 8 and {model.bert.config.max_position_embeddings} (the model's positions), got {max_seq_len}"
-        )
+    _check_options(precision, opset, out, force)
+    step = _Steps(progress)
+    spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len)
     step("model built")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
-        raw = work / "raw.onnx"
-        export_raw(model, raw, opset)
-        step("ONNX exported")
-        report: FusionReport = optimize(raw, work / MODEL_FILE, model, precision)
-        for extra in work.glob("raw.onnx*"):
-            extra.unlink()
-        step(f"optimized ({report.describe()})")
-        if report.missing:
-            print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
-
-        session = cpu_session(work / MODEL_FILE)
-        with tqdm(
-            total=count_cases(model, max_seq_len),
-            desc="validate",
-            unit="case",
-            disable=not progress,
-            file=sys.stderr,
-            leave=False,
-        ) as bar:
-            parity = check_parity(session, model, precision, max_seq_len, progress=bar.update)
-        step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
-
+        session, report, parity = _validated_graph(work, model, precision, opset, max_seq_len, step)
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():
             tok.backend_tokenizer.save(str(work / TOKENIZER_FILE))
@@ -166,7 +190,7 @@ def export_artifact(
         manifest["parity"] = parity.as_dict()
         if pruning is not None:
             manifest["pruning"] = pruning
-        manifest["io"] = {"inputs": [i.name for i in session.get_inputs()], "outputs": list(OUTPUTS)}  # type: ignore[attr-defined]
+        manifest["io"] = {"inputs": [i.name for i in session.get_inputs()], "outputs": list(OUTPUTS)}
         manifest = write_manifest(work, manifest)
         step("manifest written")
 
@@ -175,7 +199,7 @@ def export_artifact(
         work.rename(out)
         step(f"written to {out}")
     finally:
-        steps.close()
+        step.bar.close()
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
     return manifest

@@ -14,8 +14,6 @@ CheckpointError naming the file, the field and the value.
 
 from __future__ import annotations
 
-import json
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,8 @@ import torch
 
 from fusionserve.errors import CheckpointError
 
-ACTIVATIONS = ("relu", "gelu", "tanh", "silu", "swish", "gelu_new", "leakyrelu")
+from .nonlinearity import ACTIVATIONS
+from .weights import check_shape, hidden_size, read_config, read_weights
 
 # Fields of an adapter config that must hold exactly these values for the sequential bottleneck fusionserve computes.
 _ADAPTER_REQUIRED: dict[str, Any] = {
@@ -110,64 +109,19 @@ class HeadCheckpoint:
     use_pooler: bool
 
 
-def _read_config(folder: Path, filename: str) -> dict[str, Any]:
-    path = folder / filename
-    if not path.is_file():
-        raise CheckpointError(f"{folder}: missing {filename} (is this a folder written by the adapters library?)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
-        raise CheckpointError(f"{path}: expected an object with a 'config' object inside")
-    return data
+@dataclass(frozen=True)
+class _AdapterConfig:
+    path: Path
+    name: str | None
+    hidden: int
+    act: str
+    scaling: float
+    leave_out: frozenset[int]
 
 
-def read_weights(folder: Path, safetensors_name: str, bin_name: str) -> dict[str, torch.Tensor]:
-    """Load a weight file, never executing pickled code; raises CheckpointError when neither file is there."""
-    st, pt = folder / safetensors_name, folder / bin_name
-    try:
-        if st.is_file():
-            from safetensors.torch import load_file
-
-            return load_file(str(st))
-        if pt.is_file():
-            state = torch.load(str(pt), map_location="cpu", weights_only=True)
-            if not isinstance(state, dict):
-                raise CheckpointError(f"{pt}: expected a state dict, got {type(state).__name__}")
-            for key, value in state.items():  # weights_only still lets plain Python keys and values through
-                if not isinstance(key, str):
-                    raise CheckpointError(f"{pt}: key {key!r} is a {type(key).__name__}, expected a weight name (string)")
-                if not isinstance(value, torch.Tensor):
-                    raise CheckpointError(f"{pt}: entry {key!r} is a {type(value).__name__}, expected a tensor")
-            return state
-    except CheckpointError:
-        raise
-    except pickle.UnpicklingError as exc:
-        # torch's message is long and suggests turning the protection off; keep only the line naming the object
-        why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported" in ln), "not a plain state dict")
-        raise CheckpointError(f"{pt}: refused to load: it holds pickled objects other than tensors ({why})") from None
-    except Exception as exc:  # corrupt file, truncated safetensors: say which file
-        raise CheckpointError(f"cannot read weights from {st if st.is_file() else pt}: {exc}") from None
-    raise CheckpointError(f"{folder}: no weights; expected {safetensors_name} or {bin_name}")
-
-
-def _hidden_size(data: dict[str, Any], path: Path) -> int:
-    hidden = data.get("hidden_size")
-    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0:
-        raise CheckpointError(f"{path}: field 'hidden_size' must be a positive integer, got {hidden!r}")
-    return hidden
-
-
-def _check_shape(t: torch.Tensor, shape: tuple[int, ...], key: str, path: Path) -> torch.Tensor:
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"{path}: weight '{key}' has shape {tuple(t.shape)}, expected {shape}")
-    return t.detach().to(torch.float32)
-
-
-def load_adapter(folder: Path) -> AdapterCheckpoint:
-    """Read a ``save_adapter`` folder holding a seq_bn adapter; raises CheckpointError for anything else."""
-    data = _read_config(folder, "adapter_config.json")
+def _adapter_config(folder: Path) -> _AdapterConfig:
+    """The checked ``adapter_config.json`` of a seq_bn adapter; raises CheckpointError naming the field."""
+    data = read_config(folder, "adapter_config.json")
     cfg_path = folder / "adapter_config.json"
     cfg = data["config"]
     arch = cfg.get("architecture", "bottleneck")
@@ -195,12 +149,15 @@ def load_adapter(folder: Path) -> AdapterCheckpoint:
     scaling = cfg.get("scaling", 1.0)
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
         raise CheckpointError(f"{cfg_path}: field 'config.scaling' = {scaling!r} is not supported; only a constant number")
-    hidden = _hidden_size(data, cfg_path)
+    hidden = hidden_size(data, cfg_path)
     raw_leave_out = cfg.get("leave_out") or []
     if not isinstance(raw_leave_out, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw_leave_out):
         raise CheckpointError(f"{cfg_path}: field 'config.leave_out' = {raw_leave_out!r} must be a list of layer numbers")
-    leave_out = frozenset(raw_leave_out)
+    return _AdapterConfig(cfg_path, data.get("name"), hidden, act, float(scaling), frozenset(raw_leave_out))
 
+
+def _adapter_layers(folder: Path, cfg: _AdapterConfig) -> tuple[str | None, dict[int, AdapterLayer]]:
+    """(the adapter name in the weight keys, per layer the checked weights with the up-projection scaled)."""
     weights = read_weights(folder, "adapter.safetensors", "pytorch_adapter.bin")
     raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: set[str] = set()
@@ -213,10 +170,10 @@ def load_adapter(folder: Path) -> AdapterCheckpoint:
         raw.setdefault((layer, part), {})[kind] = tensor
     if len(names) > 1:
         raise CheckpointError(f"{folder}: weights of several adapters {sorted(names)} in one adapter folder")
-    name = data.get("name") or (names.pop() if names else folder.name)
+    hidden, scaling = cfg.hidden, cfg.scaling
     layers: dict[int, AdapterLayer] = {}
     for layer in sorted({k[0] for k in raw}):
-        if layer in leave_out:
+        if layer in cfg.leave_out:
             raise CheckpointError(f"{folder}: weights for layer {layer}, which 'leave_out' lists")
         down, up = raw.get((layer, "down.0"), {}), raw.get((layer, "up"), {})
         for part, got in (("adapter_down.0", down), ("adapter_up", up)):
@@ -224,23 +181,30 @@ def load_adapter(folder: Path) -> AdapterCheckpoint:
                 if kind not in got:
                     raise CheckpointError(f"{folder}: missing weight for layer {layer}: {part}.{kind}")
         r = down["weight"].shape[0]
-        lay = AdapterLayer(
-            down_w=_check_shape(down["weight"], (r, hidden), f"layer {layer} adapter_down.0.weight", folder),
-            down_b=_check_shape(down["bias"], (r,), f"layer {layer} adapter_down.0.bias", folder),
-            up_w=_check_shape(up["weight"], (hidden, r), f"layer {layer} adapter_up.weight", folder) * float(scaling),
-            up_b=_check_shape(up["bias"], (hidden,), f"layer {layer} adapter_up.bias", folder) * float(scaling),
+        layers[layer] = AdapterLayer(
+            down_w=check_shape(down["weight"], (r, hidden), f"layer {layer} adapter_down.0.weight", folder),
+            down_b=check_shape(down["bias"], (r,), f"layer {layer} adapter_down.0.bias", folder),
+            up_w=check_shape(up["weight"], (hidden, r), f"layer {layer} adapter_up.weight", folder) * scaling,
+            up_b=check_shape(up["bias"], (hidden,), f"layer {layer} adapter_up.bias", folder) * scaling,
         )
-        layers[layer] = lay
+    return (names.pop() if names else None), layers
+
+
+def load_adapter(folder: Path) -> AdapterCheckpoint:
+    """Read a ``save_adapter`` folder holding a seq_bn adapter; raises CheckpointError for anything else."""
+    cfg = _adapter_config(folder)
+    key_name, layers = _adapter_layers(folder, cfg)
+    name = cfg.name or key_name or folder.name
     if not layers:
         raise CheckpointError(f"{folder}: the weight file holds no adapter weights")
     return AdapterCheckpoint(
-        name=str(name), folder=folder, hidden_size=hidden, non_linearity=act, layers=layers, leave_out=leave_out
+        name=str(name), folder=folder, hidden_size=cfg.hidden, non_linearity=cfg.act, layers=layers, leave_out=cfg.leave_out
     )
 
 
-def load_fusion(folder: Path) -> FusionCheckpoint:
-    """Read a ``save_adapter_fusion`` folder; raises CheckpointError for unsupported flags or missing weights."""
-    data = _read_config(folder, "adapter_fusion_config.json")
+def _fusion_config(folder: Path) -> tuple[dict[str, Any], list[str], int, str]:
+    """(config flags, adapter names, hidden size, fusion name) of a checked ``adapter_fusion_config.json``."""
+    data = read_config(folder, "adapter_fusion_config.json")
     cfg_path = folder / "adapter_fusion_config.json"
     cfg = data["config"]
     names = data.get("adapter_names")
@@ -258,9 +222,12 @@ def load_fusion(folder: Path) -> FusionCheckpoint:
         raise CheckpointError(
             f"{cfg_path}: field 'config.residual_before' = True is not supported; only False (the paper's setting)"
         )
-    hidden = _hidden_size(data, cfg_path)
-    fusion_name = data.get("name") or ",".join(names)
+    hidden = hidden_size(data, cfg_path)
+    return cfg, names, hidden, data.get("name") or ",".join(names)
 
+
+def _fusion_layers(folder: Path, cfg: dict[str, Any], hidden: int, fusion_name: str) -> dict[int, FusionLayer]:
+    """Per layer, the checked query/key/value weights the config's flags use."""
     weights = read_weights(folder, "model_adapter_fusion.safetensors", "pytorch_model_adapter_fusion.bin")
     raw: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in weights.items():
@@ -288,13 +255,20 @@ def load_fusion(folder: Path) -> FusionCheckpoint:
         h2, h1 = (hidden, hidden), (hidden,)
 
         def get(w: str, shape: tuple[int, ...], got: dict[str, torch.Tensor] = got, layer: int = layer) -> torch.Tensor | None:
-            return _check_shape(got[w], shape, f"layer {layer} {w}", folder) if w in got else None
+            return check_shape(got[w], shape, f"layer {layer} {w}", folder) if w in got else None
 
         layers[layer] = FusionLayer(
             query_w=get("query.weight", h2), query_b=get("query.bias", h1),
             key_w=get("key.weight", h2), key_b=get("key.bias", h1),
             value_w=get("value.weight", h2),
         )  # fmt: skip
+    return layers
+
+
+def load_fusion(folder: Path) -> FusionCheckpoint:
+    """Read a ``save_adapter_fusion`` folder; raises CheckpointError for unsupported flags or missing weights."""
+    cfg, names, hidden, fusion_name = _fusion_config(folder)
+    layers = _fusion_layers(folder, cfg, hidden, fusion_name)
     return FusionCheckpoint(
         name=str(fusion_name), folder=folder, hidden_size=hidden, adapter_names=tuple(names),
         query_before_ln=cfg["query_before_ln"], layers=layers,
@@ -303,7 +277,7 @@ def load_fusion(folder: Path) -> FusionCheckpoint:
 
 def load_head(folder: Path) -> HeadCheckpoint:
     """Read a ``save_head`` folder holding a classification head; raises CheckpointError otherwise."""
-    data = _read_config(folder, "head_config.json")
+    data = read_config(folder, "head_config.json")
     cfg_path = folder / "head_config.json"
     cfg = data["config"]
     if cfg.get("head_type") != "classification":
@@ -313,7 +287,7 @@ def load_head(folder: Path) -> HeadCheckpoint:
     unknown = set(cfg) - _HEAD_KNOWN
     if unknown:
         raise CheckpointError(f"{cfg_path}: unknown config field(s) {sorted(unknown)}; refusing to guess what they do")
-    hidden = _hidden_size(data, cfg_path)
+    hidden = hidden_size(data, cfg_path)
     n_layers, n_labels = cfg.get("layers", 2), cfg.get("num_labels")
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
         raise CheckpointError(f"{cfg_path}: field 'config.layers' = {n_layers!r} must be an integer >= 1")
@@ -352,8 +326,8 @@ def load_head(folder: Path) -> HeadCheckpoint:
             raise CheckpointError(f"{folder}: missing weight for head module {idx}: weight")
         if cfg.get("bias", True) and "bias" not in got:
             raise CheckpointError(f"{folder}: missing weight for head module {idx}: bias")
-        w = _check_shape(got["weight"], (out, hidden), f"heads.{idx}.weight", folder)
-        b = _check_shape(got["bias"], (out,), f"heads.{idx}.bias", folder) if "bias" in got else None
+        w = check_shape(got["weight"], (out, hidden), f"heads.{idx}.weight", folder)
+        b = check_shape(got["bias"], (out,), f"heads.{idx}.bias", folder) if "bias" in got else None
         linears.append((w, b))
     return HeadCheckpoint(
         name=str(data.get("name") or folder.name), folder=folder, hidden_size=hidden, labels=labels,

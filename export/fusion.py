@@ -4,7 +4,7 @@ tasks, and each task's fusion (or single adapter, or nothing) folded into a few 
 Every block takes ``f`` (FFN output before the residual), ``a`` (attention block output), the layer's own
 pretrained LayerNorm and the task index, and returns the layer output and the softmax weights over the stack.
 
-The fusion is the exact algebra of shared/design.md section 2, pushed one step further so that no
+The fusion is the exact algebra derived in docs/fusion-math.md, pushed one step further so that no
 (batch, seq, N, hidden) tensor and no hidden x hidden product per adapter is left:
 
     score_n = z_n . u,   u = K^T (Q q + b_q)         (the b_k term is equal for all n: softmax drops it)
@@ -23,7 +23,7 @@ the backbone and the adapters' down-projections; a task index selects the task's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,26 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import AdapterLayer, FusionLayer
-
-Activation = Callable[[torch.Tensor], torch.Tensor]
+from .nonlinearity import activation
 
 # Added to the score of an adapter a task does not use: exp underflows to exactly 0, in fp16 too (finite there).
 MASKED = -30000.0
-
-_ACTIVATIONS: dict[str, Activation] = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_new": lambda t: F.gelu(t, approximate="tanh"),
-    "tanh": torch.tanh,
-    "silu": F.silu,
-    "swish": F.silu,
-    "leakyrelu": F.leaky_relu,
-}
-
-
-def activation(name: str) -> Activation:
-    """The activation function AdapterHub uses for ``name`` (names were validated when the checkpoint was read)."""
-    return _ACTIVATIONS[name]
 
 
 @dataclass(frozen=True)

@@ -7,21 +7,18 @@ attention pattern ONNX Runtime's transformer optimizer fuses. ``forward`` is pur
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig, BertModel
-from transformers.utils import logging as hf_logging
+from transformers import BertModel
 
-from fusionserve.errors import CheckpointError, SpecError
+from fusionserve.errors import SpecError
 
-from .checkpoint import AdapterCheckpoint, FusionCheckpoint, HeadCheckpoint, load_adapter, load_fusion, load_head
-from .fusion import AdapterLayerBlock, PlainBlock, activation, fold_adapter, fold_fusion, fold_nothing
-from .spec import ModelSpec
+from .checkpoint import HeadCheckpoint
+from .nonlinearity import activation
 
 
 @dataclass(frozen=True)
@@ -155,161 +152,3 @@ class FusionBertModel(nn.Module):
             return logits
         columns = [self.adapter_names.index(n) for n in info.adapters]
         return logits, acts[..., columns]
-
-
-def _check_hidden(ckpt: AdapterCheckpoint | FusionCheckpoint | HeadCheckpoint, config: BertConfig) -> None:
-    if ckpt.hidden_size != config.hidden_size:
-        raise CheckpointError(
-            f"{ckpt.folder}: hidden_size {ckpt.hidden_size} disagrees with the base model's hidden_size {config.hidden_size}"
-        )
-
-
-def _check_layers(ckpt: AdapterCheckpoint | FusionCheckpoint, n_layers: int) -> None:
-    bad = [i for i in ckpt.layers if i >= n_layers]
-    if bad:
-        raise CheckpointError(f"{ckpt.folder}: weights for layer(s) {bad}, but the base model has {n_layers} layers")
-    if isinstance(ckpt, AdapterCheckpoint):
-        missing = [i for i in range(n_layers) if i not in ckpt.layers and i not in ckpt.leave_out]
-        if missing:
-            raise CheckpointError(f"{ckpt.folder}: no weights for layer(s) {missing}, which 'leave_out' does not list")
-
-
-def load_backbone(folder: str, use_pooler: bool) -> BertModel:
-    """The frozen base BERT, eager attention (the form ONNX Runtime fuses); raises CheckpointError on missing weights."""
-    try:
-        config = BertConfig.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: cannot read the base model's config.json: {exc}") from None
-    if config.model_type != "bert":
-        raise CheckpointError(f"{folder}/config.json: field 'model_type' = {config.model_type!r} is not supported; only 'bert'")
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the unused-pooler notice is expected; real problems are raised below
-    try:
-        bert, info = BertModel.from_pretrained(
-            folder, add_pooling_layer=use_pooler, attn_implementation="eager", output_loading_info=True
-        )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{folder}: cannot load the base model weights: {exc}") from None
-    finally:
-        hf_logging.set_verbosity(previous)
-    if info["missing_keys"]:
-        raise CheckpointError(f"{folder}: base model weights are missing {sorted(info['missing_keys'])[:8]}")
-    return bert.eval()
-
-
-# task -> per layer, the adapters removed from that task's fusion there (see prune.py)
-Dropped = Mapping[str, Sequence[frozenset[str]]]
-
-
-def build_model(spec: ModelSpec, dropped: Dropped | None = None) -> FusionBertModel:
-    """Load every checkpoint a spec names and assemble the folded model.
-
-    ``dropped`` prunes fusions: a task's fusion mixes only the adapters not dropped in a layer (the softmax
-    renormalises over them), and nothing where all are dropped. A layer's stack holds only the adapters some task
-    still uses there, so pruning an adapter no other task needs removes its cost from that layer.
-
-    Raises SpecError or CheckpointError: a fusion naming an adapter the spec lacks, hidden sizes that
-    disagree, missing weights, unsupported configurations, pruning of a task without fusion.
-    """
-    dropped = dict(dropped or {})
-    heads = {name: load_head(t.head) for name, t in spec.tasks.items()}
-    bert = load_backbone(str(spec.base_model), use_pooler=any(h.use_pooler for h in heads.values()))
-    config = bert.config
-    n_layers = config.num_hidden_layers
-    adapters = {name: load_adapter(folder) for name, folder in spec.adapters.items()}
-    checkpoints: list[AdapterCheckpoint | HeadCheckpoint] = [*adapters.values(), *heads.values()]
-    for ckpt in checkpoints:
-        _check_hidden(ckpt, config)
-    for ad in adapters.values():
-        _check_layers(ad, n_layers)
-
-    fusions = {}
-    for name, t in spec.tasks.items():
-        if t.fusion is None:
-            continue
-        fusion = fusions[name] = load_fusion(t.fusion)
-        _check_hidden(fusion, config)
-        _check_layers(fusion, n_layers)
-        missing = [a for a in fusion.adapter_names if a not in adapters]
-        if missing:
-            raise SpecError(
-                f"{t.fusion}: the fusion of task '{name}' names adapter(s) {missing} that the spec lacks "
-                f"(spec adapters: {', '.join(adapters) or 'none'})"
-            )
-    for task, layers in dropped.items():
-        if task not in fusions:
-            kind = spec.task(task).kind
-            raise SpecError(f"cannot prune task '{task}': it has no fusion layer ({kind} task); only fusions are pruned")
-        if len(layers) != n_layers:
-            raise SpecError(f"pruning of task '{task}' lists {len(layers)} layers; the base model has {n_layers}")
-
-    def mixed(task: str, i: int) -> tuple[str, ...]:
-        """The adapters ``task`` mixes in layer ``i``, in its fusion's order (before checking which exist there)."""
-        t = spec.tasks[task]
-        if task in fusions:
-            gone = dropped[task][i] if task in dropped else frozenset()
-            return tuple(a for a in fusions[task].adapter_names if a not in gone)
-        return (t.adapter,) if t.adapter else ()
-
-    # per layer, the adapters some task uses there: the layer's stack (an adapter absent from a layer is not in it)
-    used_in = [{a for task in spec.tasks for a in mixed(task, i) if i in adapters[a].layers} for i in range(n_layers)]
-    used = set().union(*used_in)
-    names = tuple(a for a in adapters if a in used)  # spec order; unused adapters are validated, not served
-    acts = {adapters[a].non_linearity for a in names}
-    if len(acts) > 1:
-        which = ", ".join(f"{a}={adapters[a].non_linearity}" for a in names)
-        raise CheckpointError(
-            f"{spec.path}: the served adapters use different non_linearity values ({which}); one graph needs one"
-        )
-    act = next(iter(acts), "relu")
-
-    blocks: list[nn.Module] = []
-    stacks: list[tuple[str, ...]] = []
-    per_layer: dict[str, list[tuple[str, ...]]] = {task: [] for task in spec.tasks}
-    for i in range(n_layers):
-        stack_names = tuple(a for a in names if a in used_in[i])
-        stacks.append(stack_names)
-        if not stack_names:
-            blocks.append(PlainBlock())
-            for task in spec.tasks:
-                per_layer[task].append(())
-            continue
-        stack = [adapters[a].layers[i] for a in stack_names]
-        r = max(ad.down_w.shape[0] for ad in stack)
-        folded = []
-        for task, t in spec.tasks.items():
-            if task in fusions:
-                fusion = fusions[task]
-                present = tuple(a for a in mixed(task, i) if a in stack_names)
-                if present and i not in fusion.layers:
-                    raise CheckpointError(f"{t.fusion}: missing fusion weights for layer {i}")
-                members = [stack_names.index(a) for a in present]
-                # AdapterHub skips the layer when none of the fused adapters is in it
-                folded.append(
-                    fold_fusion(stack, r, members, fusion.layers[i], fusion.query_before_ln)
-                    if present
-                    else fold_nothing(stack, r)
-                )
-            elif t.adapter is not None and t.adapter in stack_names:
-                present = (t.adapter,)
-                folded.append(fold_adapter(stack, r, stack_names.index(t.adapter)))
-            else:
-                present = ()
-                folded.append(fold_nothing(stack, r))
-            per_layer[task].append(present)
-        blocks.append(AdapterLayerBlock(stack, act, folded))
-
-    infos = []
-    for task, t in spec.tasks.items():
-        kind = t.kind
-        if task in dropped:  # a pruned fusion reports only the adapters it still mixes somewhere
-            task_adapters = tuple(a for a in fusions[task].adapter_names if any(a in layer for layer in per_layer[task]))
-            if not task_adapters:
-                raise SpecError(f"pruning leaves task '{task}' without any adapter in any layer; keep at least one")
-        elif task in fusions:
-            task_adapters = fusions[task].adapter_names
-        else:
-            task_adapters = (t.adapter,) if t.adapter else ()
-        infos.append(TaskInfo(task, kind, heads[task].labels, tuple(task_adapters), tuple(per_layer[task])))
-    head_modules = [ClassificationHead(heads[task]) for task in spec.tasks]
-    return FusionBertModel(bert, blocks, head_modules, infos, names, stacks)

@@ -7,38 +7,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from fusionserve.errors import CheckpointError, SpecError
+from fusionserve.errors import SpecError
 from fusionserve.serving.artifact import TaskEntry
 from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import Output
+from fusionserve.serving.runner import Output
 from fusionserve.serving.tokenize import Encoded, Encoder
 
-from .model import FusionBertModel, build_model
+from .build import build_model
 from .spec import ModelSpec, load_spec
-
-
-def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
-    """The base model folder's fast tokenizer; raises CheckpointError when the folder has none."""
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), use_fast=True)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: cannot load the tokenizer (vocab.txt or tokenizer.json): {exc}") from None
-    if not isinstance(tok, PreTrainedTokenizerFast):
-        raise CheckpointError(f"{folder}: no fast tokenizer could be built from the tokenizer files")
-    return tok
-
-
-def max_length(tok: PreTrainedTokenizerFast, model: FusionBertModel) -> int:
-    """Token limit: the tokenizer's, capped by the model's position embeddings."""
-    limit = int(model.bert.config.max_position_embeddings)
-    tok_limit = tok.model_max_length if isinstance(tok.model_max_length, int) else limit
-    return min(limit, tok_limit)
+from .tokenizer import load_tokenizer, max_length
 
 
 class TorchRunner:
-    """Texts -> logits with the folded PyTorch model (see ``serving.predictions.Runner``)."""
+    """Texts -> logits with the folded PyTorch model (see ``serving.runner``)."""
 
     def __init__(self, spec: ModelSpec | str | Path) -> None:
         self.spec = spec if isinstance(spec, ModelSpec) else load_spec(spec)

@@ -10,9 +10,6 @@ where no other task needs the adapter (serve a subset with ``tasks`` to prune a 
 
 from __future__ import annotations
 
-import shutil
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import FusionServeError
+from fusionserve.serving.activations import load_stats
 from fusionserve.serving.artifact import sha256
-from fusionserve.serving.calibrate import load_stats
 
 from .model import TaskInfo
 
@@ -171,7 +168,7 @@ def prune_artifact(
     Raises PruneError or CalibrationError (options or statistics that do not fit), plus everything
     ``export_artifact`` raises."""
     from .artifact import export_artifact
-    from .model import build_model
+    from .build import build_model
     from .spec import load_spec
 
     doc = load_stats(stats_path)
@@ -207,55 +204,8 @@ def prune_artifact(
     return manifest, plans
 
 
-def compare(
-    spec_path: str | Path,
-    pruned: Path,
-    task: str,
-    eval_input: Path,
-    tasks: Sequence[str] | None = None,
-    baseline: Path | None = None,
-    max_seq_len: int | None = None,
-    batch_size: int = 32,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Accuracy on ``eval_input`` and latency (batch 16, seq 128 or the token limit) of ``task`` before and after pruning, both on
-    ONNX Runtime. The unpruned model is exported to a temporary folder unless ``baseline`` names its artifact."""
-    from fusionserve.serving.evaluate import evaluate, latency_ms
-    from fusionserve.serving.predictions import read_labelled_jsonl
-    from fusionserve.serving.runtime import OnnxRunner
-
-    from .artifact import export_artifact
-
-    scratch = None
-    try:
-        if baseline is None:
-            scratch = Path(tempfile.mkdtemp(prefix="fusionserve-unpruned-"))
-            baseline = scratch / "artifact"
-            if progress:
-                print("exporting the unpruned model to compare against", file=sys.stderr)
-            export_artifact(spec_path, baseline, max_seq_len=max_seq_len, tasks=tasks, progress=progress)
-        runners = {"unpruned": OnnxRunner(baseline, prefer_gpu=False), "pruned": OnnxRunner(pruned, prefer_gpu=False)}
-        for name, runner in runners.items():
-            if task not in runner.artifact.tasks:
-                raise PruneError(
-                    f"--eval-task '{task}' is not served by the {name} model; tasks: {', '.join(runner.artifact.tasks)}"
-                )
-        result: dict[str, Any] = {"task": task, "input": str(eval_input)}
-        for name, runner in runners.items():
-            result[name] = evaluate(runner, task, read_labelled_jsonl(eval_input, True), batch_size, progress).as_dict()
-        seq = min(128, *(r.encoder.max_length for r in runners.values()))
-        latency = latency_ms({name: (runner, task) for name, runner in runners.items()}, batch=16, seq=seq)
-        result["latency"] = {"batch": 16, "seq": seq}
-        for name in runners:
-            result[name]["latency_ms"] = round(latency[name], 2)
-        return result
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
-def render(plans: Mapping[str, TaskPlan], manifest: Mapping[str, Any], comparison: Mapping[str, Any] | None) -> str:
-    """What the prune command prints: kept adapters per layer, the stack sizes, and the before/after table."""
+def render(plans: Mapping[str, TaskPlan], manifest: Mapping[str, Any]) -> str:
+    """What the prune command prints: kept adapters per layer and the stack sizes."""
     lines = [f"rule: {manifest['pruning']['rule']['summary']}"]
     for task, p in plans.items():
         d = p.as_dict()
@@ -264,14 +214,4 @@ def render(plans: Mapping[str, TaskPlan], manifest: Mapping[str, Any], compariso
             lines.append(f"  layer {layer}: {', '.join(kept) or '- (fusion dropped)'}")
     sizes = ", ".join(str(len(stack)) for stack in manifest["adapters_per_layer"])
     lines.append(f"adapters computed per layer (all served tasks): {sizes}")
-    if comparison:
-        before, after = comparison["unpruned"], comparison["pruned"]
-        lines += [
-            f"{comparison['task']} on {comparison['input']} ({before['examples']} examples; latency: batch 16, seq {comparison['latency']['seq']}, median):",
-            f"  {'':10} {'accuracy %':>22} {'latency ms':>11}",
-            f"  {'unpruned':10} {before['accuracy']:>6.2f} [{before['ci95'][0]:.1f}, {before['ci95'][1]:.1f}]{'':>1} {before['latency_ms']:>11.2f}",
-            f"  {'pruned':10} {after['accuracy']:>6.2f} [{after['ci95'][0]:.1f}, {after['ci95'][1]:.1f}]{'':>1} {after['latency_ms']:>11.2f}",
-            f"  pruned keeps {100 * after['accuracy'] / max(before['accuracy'], 1e-9):.1f}% of the accuracy at "
-            f"{after['latency_ms'] / before['latency_ms']:.2f}x the latency",
-        ]
     return "\n".join(lines)

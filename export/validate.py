@@ -3,9 +3,8 @@ lengths, for every task. Every failing output is collected, then one error lists
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -118,11 +117,3 @@ def check_parity(
 
 def count_cases(model: FusionBertModel, max_seq_len: int) -> int:
     return len(model.task_index) * len(BATCH_SIZES) * len([s for s in SEQ_LENS if s <= max_seq_len])
-
-
-def cpu_session(path: Path, providers: Sequence[str] | None = None) -> object:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=list(providers or ["CPUExecutionProvider"]))

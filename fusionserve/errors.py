@@ -15,3 +15,7 @@ class CheckpointError(FusionServeError):
 
 class InputError(FusionServeError):
     """A prediction input (text, pair, task name) is unusable."""
+
+
+class MissingDependency(FusionServeError):
+    """An optional package a feature needs is not installed; the message names the extra that brings it."""

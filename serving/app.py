@@ -133,7 +133,7 @@ class FusionServe:
         except HTTPError as err:
             self.stats.rejected.labels(err.reason).inc()
             body = {"error": {"type": err.reason, "message": err.message}}
-            return self._done(task, err.status, started, JSONResponse(body, err.status, err.headers))
+            return self._done(task, err.status, started, JSONResponse(body, err.status))
 
     @app.get("/v1/tasks")
     async def tasks(self) -> dict[str, Any]:

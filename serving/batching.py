@@ -1,7 +1,7 @@
 """One model call for many requests of one task: pack, pad to the longest sequence in the batch (the runner may
 pad further, to its bucket length), run, split.
 
-No Ray and no HTTP here: the Ray deployment (serving/model.py) only queues requests per task and hands each
+No Ray and no HTTP here: the Ray deployment (``serving/app.py``) only queues requests per task and hands each
 batch to ``BatchRunner.run``.
 """
 
@@ -11,8 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from .activations import token_means
 from .predictions import TextInput
 from .runtime import OnnxRunner
 
@@ -62,9 +61,7 @@ class BatchRunner:
         model_ms = (time.perf_counter() - started) * 1000
         per_input_acts = None
         if out.fusion_activations is not None:
-            mask = enc.attention_mask[:, None, :, None].astype(np.float32)  # (batch, 1, seq, 1)
-            summed = (out.fusion_activations * mask).sum(axis=2)  # (batch, layers, adapters)
-            per_input_acts = summed / np.maximum(mask.sum(axis=2), 1.0)
+            per_input_acts = token_means(out.fusion_activations, enc.attention_mask)  # (batch, layers, adapters)
         batch, seq = enc.input_ids.shape
         stats = BatchStats(len(flat), batch * self.runner.padded_length(seq), model_ms, report=False)
         results, start = [], 0

@@ -24,6 +24,7 @@ from fusionserve.errors import FusionServeError
 
 from .artifact import Artifact, TaskEntry, load_artifact
 from .predictions import TextInput
+from .runner import Output
 from .tokenize import Encoded, Encoder, bucket_length, bucket_lengths
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -63,25 +64,15 @@ def resolve_device(device: str = "auto") -> str:
     return "cpu"
 
 
-def providers(prefer_gpu: bool = True) -> list[str]:
-    """CUDA first when this onnxruntime build has it, CPU always last."""
-    available = ort.get_available_providers()
-    chosen = [CUDA] if prefer_gpu and CUDA in available else []
-    return [*chosen, CPU]
-
-
-def make_session(
-    path: Path, threads: int | None = None, prefer_gpu: bool = True, spin: bool = True, device: str | None = None
-) -> ort.InferenceSession:
+def make_session(path: Path, threads: int | None = None, spin: bool = True, device: str = "auto") -> ort.InferenceSession:
     """An InferenceSession with all graph optimizations; ``threads`` sets intra-op threads (default: the CPUs
     this process may use). ``spin=False`` stops idle worker threads from busy-waiting for the next run: right for
-    a server whose other processes (HTTP proxy, ingress) need the same cores between runs. ``device`` (auto |
-    cpu | cuda) overrides ``prefer_gpu`` (True means auto, False cpu); CPU stays last for the operators CUDA lacks.
+    a server whose other processes (HTTP proxy, ingress) need the same cores between runs. ``device``: auto |
+    cpu | cuda (see ``resolve_device``); with CUDA, CPU stays last for the operators CUDA lacks.
 
     Raises FusionServeError when the file is not a loadable model, DeviceError when ``device`` is unknown or is
     'cuda' and the CUDA provider is missing or does not start (ONNX Runtime itself would fall back to CPU)."""
-    wanted = device if device is not None else ("auto" if prefer_gpu else "cpu")
-    chosen = [CUDA, CPU] if resolve_device(wanted) == "cuda" else [CPU]
+    chosen = [CUDA, CPU] if resolve_device(device) == "cuda" else [CPU]
     opts = ort.SessionOptions()
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -93,20 +84,13 @@ def make_session(
         session = ort.InferenceSession(str(path), opts, providers=chosen)
     except Exception as exc:  # onnxruntime raises its own exception types from C++
         raise FusionServeError(f"cannot load {path} with ONNX Runtime: {exc}") from None
-    if wanted == "cuda" and CUDA not in session.get_providers():
+    if device == "cuda" and CUDA not in session.get_providers():
         raise DeviceError(
             f"device 'cuda': onnxruntime {ort.__version__} has the CUDA provider but it did not start for {path}: "
             "no usable GPU (check `nvidia-smi` and CUDA_VISIBLE_DEVICES) or the CUDA / cuDNN libraries this "
             "onnxruntime-gpu was built for are missing (see its requirements page); use --device cpu to run on CPU"
         )
     return session
-
-
-@dataclass(frozen=True)
-class Output:
-    logits: np.ndarray  # (batch, num_labels) float32
-    fusion_activations: np.ndarray | None  # (batch, layers, seq, n_task_adapters), when asked
-    encoded: Encoded
 
 
 @dataclass
@@ -144,9 +128,9 @@ class _BindingPool:
 
 
 class OnnxRunner:
-    """Texts -> logits for any task of an artifact (see ``serving.predictions.Runner``).
+    """Texts -> logits for any task of an artifact (see ``serving.runner``).
 
-    ``device``: auto | cpu | cuda, overriding ``prefer_gpu`` (see ``make_session``). ``io_binding``: run through
+    ``device``: auto | cpu | cuda (see ``make_session``). ``io_binding``: run through
     IO binding with reused buffers; None means on for CUDA, off for CPU (where it works too). ``seq_buckets``:
     pad each batch to the next bucket length — an int N for multiples of N (0: off) or a list of lengths, capped
     at the artifact's token limit; None means 16 on CUDA, off on CPU.
@@ -158,15 +142,14 @@ class OnnxRunner:
         self,
         artifact: Artifact | str | Path,
         threads: int | None = None,
-        prefer_gpu: bool = True,
         spin: bool = True,
         *,
-        device: str | None = None,
+        device: str = "auto",
         io_binding: bool | None = None,
         seq_buckets: int | Sequence[int] | None = None,
     ) -> None:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = make_session(self.artifact.model_path, threads, prefer_gpu, spin, device)
+        self.session = make_session(self.artifact.model_path, threads, spin, device)
         self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
         # a graph with one task and no adapter never reads task_id: the exporter dropped that input
         self._inputs = {i.name for i in self.session.get_inputs()}

@@ -51,9 +51,9 @@ class Limits:
 class HTTPError(Exception):
     """A refusal: HTTP status, a short machine-readable reason (also the metric label) and a message."""
 
-    def __init__(self, status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(message)
-        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
+        self.status, self.reason, self.message = status, reason, message
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from fusionserve.errors import FusionServeError
 
 from .artifact import load_artifact
+from .cluster import connect
 from .runtime import DEVICES, DeviceError, resolve_device
 
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
@@ -104,16 +105,14 @@ def build_app(cfg: ServerConfig, metrics_dir: str | None = None, gpus: float = 0
 
 def start(cfg: ServerConfig) -> str:
     """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port, and deploy; returns the base URL."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline server
-    import ray
-    from ray import serve
-
     global _metrics_dir
     # a missing artifact or CUDA provider fails before Ray starts; how many GPUs there are, Ray tells
     load_artifact(cfg.artifact, verify=False)
     resolve_device(cfg.device)
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    connect()
+    import ray
+    from ray import serve
+
     _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
     app = build_app(cfg, _metrics_dir, float(ray.cluster_resources().get("GPU", 0.0)))
     serve.start(http_options={"host": cfg.host, "port": cfg.port})

@@ -4,9 +4,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json
+from pathlib import Path
+
 import pytest
 
-from tests.adapterhub_models import Built, build
+from fusionserve.export.artifact import export_artifact
+from fusionserve.export.predict import TorchRunner
+from fusionserve.scoring.calibrate import calibrate
+from fusionserve.scoring.inputs import read_labelled_jsonl
+from fusionserve.serving.activations import stats_document
+from fusionserve.training import sources
+from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers, score_helpers
+from tests.adapterhub_models import TASKS, Built, build
 
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])
@@ -19,3 +29,91 @@ def built(request, tmp_path_factory) -> Built:
 def built_st(tmp_path_factory) -> Built:
     """One safetensors build, for tests that need a model but not both formats."""
     return build(tmp_path_factory.mktemp("st"), safetensors=True, seed=3)
+
+
+# --- exported artifacts, each built once and only read by the tests ----------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def exported(built, tmp_path_factory) -> export_helpers.Exported:
+    """The tiny model exported once per weight format (fp32, opset 17, 64 tokens): test_export*.py."""
+    folder = tmp_path_factory.mktemp("export") / "artifact"
+    manifest = export_artifact(
+        built.spec, folder, max_seq_len=export_helpers.MAX_SEQ_LEN, opset=export_helpers.OPSET, progress=False
+    )
+    return export_helpers.Exported(folder.resolve(), manifest)
+
+
+@pytest.fixture(scope="session")
+def artifacts(built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
+    """The tiny model exported once per precision: test_runtime.py and test_gpu.py."""
+    root = tmp_path_factory.mktemp("gpu")
+    for precision in ("fp32", "fp16"):
+        export_artifact(
+            built_st.spec, root / precision, precision=precision, max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False
+        )
+    return runtime_helpers.Artifacts(root / "fp32", root / "fp16")
+
+
+@pytest.fixture(scope="session")
+def artifact(built_st, tmp_path_factory) -> Path:
+    """The tiny model exported for scoring: test_score*.py."""
+    out = tmp_path_factory.mktemp("score") / "art"
+    export_artifact(built_st.spec, out, max_seq_len=score_helpers.MAX_SEQ_LEN, progress=False)
+    return out
+
+
+# --- calibration statistics: test_calibrate_evaluate.py and test_prune.py ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def spec_runner(built_st) -> TorchRunner:
+    return TorchRunner(built_st.spec)
+
+
+@pytest.fixture(scope="session")
+def stats(built_st, spec_runner, tmp_path_factory) -> Path:
+    """Statistics of every fusion task of the tiny model, as `fusionserve calibrate` writes them."""
+    folder = tmp_path_factory.mktemp("stats")
+    src = prune_helpers._texts(folder / "in.jsonl")
+    fusion_tasks = [t for t, (kind, *_) in TASKS.items() if kind == "fusion"]
+    result, bad = calibrate(spec_runner, fusion_tasks, read_labelled_jsonl(src, False), batch_size=4)
+    assert bad == []
+    out = folder / "stats.json"
+    out.write_text(json.dumps(stats_document(result, str(built_st.spec), src, 0)))
+    return out
+
+
+# --- private copies of a build to tamper with: test_spec_errors.py, test_checkpoint_errors.py, test_config_errors.py
+
+
+@pytest.fixture
+def root(built_st, tmp_path) -> Path:
+    """A private copy of a safetensors build, free to tamper with."""
+    return checkpoint_helpers._copy(built_st.spec, tmp_path / "model")
+
+
+@pytest.fixture
+def any_root(built, tmp_path) -> Path:
+    """A private copy of a build in each weight format (safetensors and .bin), for tests that edit weights."""
+    return checkpoint_helpers._copy(built.spec, tmp_path / "model")
+
+
+# --- the dataset loaders: test_datasets.py and test_sources.py -------------------------------------------------
+# (``cache`` replaces pytest's own fixture of that name, which no test here uses.)
+
+
+@pytest.fixture()
+def cache(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture()
+def no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to run pip or apt fails the test: the synthetic archives must be found in the cache.
+    Not autouse: the dataset test modules ask for it with ``pytestmark = pytest.mark.usefixtures("no_downloads")``."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a test tried to run {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(sources.subprocess, "run", refuse)

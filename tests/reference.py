@@ -1,4 +1,4 @@
-"""The equations of shared/design.md section 1, written the obvious way (one adapter at a time, K and V applied
+"""The equations of docs/fusion-math.md ("What AdapterHub computes"), written the obvious way (one adapter at a time, K and V applied
 to every adapter output), to check the folded implementation against."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fusionserve.export.checkpoint import AdapterLayer, FusionLayer
-from fusionserve.export.fusion import activation
+from fusionserve.export.nonlinearity import activation
 
 
 def plain_fusion(

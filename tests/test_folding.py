@@ -1,4 +1,4 @@
-"""The folded fusion (export/fusion.py) equals the plain equations of shared/design.md section 1 (tests/reference.py),
+"""The folded fusion (export/fusion.py) equals the plain equations of docs/fusion-math.md ("What AdapterHub computes") (tests/reference.py),
 block by block on random weights, and the assembled model is batch-invariant and stateless."""
 
 import itertools
@@ -6,9 +6,10 @@ import itertools
 import pytest
 import torch
 
-from fusionserve.export.checkpoint import ACTIVATIONS, AdapterLayer, FusionLayer
+from fusionserve.export.build import build_model
+from fusionserve.export.checkpoint import AdapterLayer, FusionLayer
 from fusionserve.export.fusion import AdapterLayerBlock, fold_adapter, fold_fusion, fold_nothing
-from fusionserve.export.model import build_model
+from fusionserve.export.nonlinearity import ACTIVATIONS
 from fusionserve.export.spec import load_spec
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
 from tests.reference import plain_adapter, plain_fusion

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusionserve.export.model import build_model
+from fusionserve.export.build import build_model
 from fusionserve.export.spec import load_spec
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
 

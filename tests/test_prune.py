@@ -1,6 +1,7 @@
-"""calibrate -> prune -> evaluate: activation statistics equal the model's own activations; pruning an adapter the
-fusion never uses changes nothing (checked against AdapterHub); a fusion pruned to one adapter is that adapter's
-model; per-layer pruning matches the plain equations and ONNX matches PyTorch; bad options are refused clearly."""
+"""prune: pruning an adapter the fusion never uses changes nothing (checked against AdapterHub); a fusion pruned to one
+adapter is that adapter's model; per-layer pruning matches the plain equations and ONNX matches PyTorch; bad options
+are refused clearly; --eval puts accuracy and latency side by side. The statistics it prunes with come from
+calibrate (the ``stats`` fixture in conftest.py; calibrate itself is tested in test_calibrate_evaluate.py)."""
 
 import json
 from pathlib import Path
@@ -10,39 +11,22 @@ import pytest
 import torch
 import yaml
 
-from fusionserve.errors import FusionServeError
+from fusionserve.export.build import build_model
 from fusionserve.export.checkpoint import load_adapter, load_fusion
-from fusionserve.export.model import build_model
 from fusionserve.export.predict import TorchRunner
 from fusionserve.export.prune import PruneError, PruneRule, dropped, plan, prune_artifact
 from fusionserve.export.spec import load_spec
+from fusionserve.scoring.calibrate import calibrate
+from fusionserve.scoring.inputs import read_labelled_jsonl
+from fusionserve.serving.activations import CalibrationError, load_stats, stats_document
 from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.calibrate import CalibrationError, calibrate, load_stats, stats_document
-from fusionserve.serving.cli import main
-from fusionserve.serving.evaluate import evaluate
-from fusionserve.serving.predictions import TextInput, read_labelled_jsonl
+from fusionserve.serving.predictions import TextInput
 from fusionserve.serving.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, write_base
+from tests.prune_helpers import MAX_SEQ_LEN, _cli, _jsonl, _texts
 from tests.reference import plain_fusion
 
-MAX_SEQ_LEN = 64
 CASES = [[TextInput(s) for s in SENTENCES], [TextInput(a, b) for a, b in PAIRS]]
-
-
-def _cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _texts(path: Path) -> Path:
-    rows = [{"text": s} for s in SENTENCES] + [{"text": a, "text_pair": b} for a, b in PAIRS]
-    return _jsonl(path, rows * 3)
 
 
 def _logits(model, task: str, inputs: list[TextInput], runner: TorchRunner) -> np.ndarray:
@@ -50,72 +34,6 @@ def _logits(model, task: str, inputs: list[TextInput], runner: TorchRunner) -> n
     ids, mask, types = (torch.from_numpy(a) for a in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
     with torch.inference_mode():
         return model.classify(ids, mask, types, task=task).numpy()
-
-
-@pytest.fixture(scope="module")
-def spec_runner(built_st) -> TorchRunner:
-    return TorchRunner(built_st.spec)
-
-
-@pytest.fixture(scope="module")
-def stats(built_st, spec_runner, tmp_path_factory) -> Path:
-    """Statistics of every fusion task of the tiny model, as `fusionserve calibrate` writes them."""
-    folder = tmp_path_factory.mktemp("stats")
-    src = _texts(folder / "in.jsonl")
-    fusion_tasks = [t for t, (kind, *_) in TASKS.items() if kind == "fusion"]
-    result, bad = calibrate(spec_runner, fusion_tasks, read_labelled_jsonl(src, False), batch_size=4)
-    assert bad == []
-    out = folder / "stats.json"
-    out.write_text(json.dumps(stats_document(result, str(built_st.spec), src, 0)))
-    return out
-
-
-# --- calibrate -------------------------------------------------------------------------------------------------
-
-
-def test_calibration_is_the_mean_and_spread_of_the_activations_over_real_tokens(spec_runner, stats):
-    doc = load_stats(stats)
-    inputs = [TextInput(s) for s in SENTENCES] + [TextInput(a, b) for a, b in PAIRS]
-    for task in ("rte", "nli"):
-        weights = []  # every real token's softmax weights: (layers, adapters) each
-        for batch in (inputs[:4], inputs[4:]):  # batch 4, as calibrated: padding must not count
-            enc = spec_runner.encoder.encode(batch)
-            acts = spec_runner.run(task, enc, return_fusion_activations=True).fusion_activations
-            for b, row in enumerate(enc.attention_mask):
-                weights += [acts[b, :, t] for t in np.flatnonzero(row)]
-        w = np.stack(weights * 3)  # the file holds the inputs three times
-        t = doc["tasks"][task]
-        assert t["tokens"] == len(w) and t["examples"] == 3 * len(inputs)
-        np.testing.assert_allclose(t["mean"], w.mean(0), atol=2e-6)
-        np.testing.assert_allclose(t["std"], w.std(0), atol=2e-6)
-        assert t["adapters"] == TASKS[task][1]
-        # beta is left out of layer 1: absent there, and the others' weights sum to one in every layer
-        assert t["adapters_per_layer"][1] == [a for a in TASKS[task][1] if a != "beta"]
-        np.testing.assert_allclose(np.sum(t["mean"], axis=1), 1.0, atol=1e-5)
-        assert np.ptp(t["mean"]) > 0.05
-
-
-def test_calibrate_cli_on_an_artifact_equals_the_spec_and_reports_bad_lines(built_st, stats, tmp_path, capsys):
-    art = tmp_path / "art"
-    assert _cli(capsys, "export", built_st.spec, "--out", art, "--max-seq-len", MAX_SEQ_LEN)[0] == 0
-    src = _texts(tmp_path / "in.jsonl")
-    src.write_text(src.read_text() + '{"text": ""}\nnot json\n{"text": "the cat", "label": "any"}\n')
-    out = tmp_path / "s.json"
-    code, printed, err = _cli(capsys, "calibrate", art, "--task", "rte", "--input", src, "--output", out)
-    assert code == 0, err
-    assert "line 25: 'text' must be a non-empty string" in err and "line 26: not valid JSON" in err
-    assert "2 line(s) of" in err
-    assert printed.startswith("rte: ") and f"wrote {out} and {out.with_suffix('.png')}" in printed
-    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
-    got, want = load_stats(out)["tasks"]["rte"], load_stats(stats)["tasks"]["rte"]
-    assert got["tokens"] == want["tokens"] + 4  # "[CLS] the cat [SEP]": labelled lines count, labels are ignored
-    np.testing.assert_allclose(got["mean"], want["mean"], atol=0.02)
-
-
-@pytest.mark.parametrize("task", ["alpha_only", "head_only"])
-def test_calibrating_a_task_without_fusion_is_refused(spec_runner, tmp_path, task):
-    with pytest.raises(FusionServeError, match=f"task '{task}' has no fusion layer"):
-        calibrate(spec_runner, [task], read_labelled_jsonl(_texts(tmp_path / "in.jsonl"), False))
 
 
 # --- prune: exactness ------------------------------------------------------------------------------------------
@@ -180,7 +98,7 @@ def test_pruning_an_adapter_with_zero_activation_changes_nothing(silenced, tmp_p
     assert manifest["pruning"]["tasks"]["t"]["dropped_everywhere"] == ["gamma"]
     assert "mean weight 0.0000 < 0.01" in manifest["pruning"]["tasks"]["t"]["dropped_per_layer"][0]["gamma"]
 
-    pruned = OnnxRunner(art, prefer_gpu=False)
+    pruned = OnnxRunner(art, device="cpu")
     for inputs in CASES:
         batch = tok(
             [i.text for i in inputs],
@@ -209,7 +127,7 @@ def test_a_fusion_pruned_to_one_adapter_is_that_adapters_model(built_st, stats, 
     single_spec = built_st.spec.parent / f"single-{task}.yaml"
     single_spec.write_text(yaml.safe_dump(data))
     single = TorchRunner(single_spec)
-    pruned = OnnxRunner(art, prefer_gpu=False)
+    pruned = OnnxRunner(art, device="cpu")
     assert pruned.task(task).adapters == (best,) and list(pruned.artifact.tasks) == [task]  # --tasks: only that one
     for inputs in CASES:
         got, want = pruned.logits(task, inputs)[0], single.logits("single", inputs)[0]
@@ -236,7 +154,7 @@ def test_per_layer_pruning_keeps_different_counts_and_matches_pytorch_and_the_eq
     assert manifest["tasks"]["rte"]["adapters_per_layer"] == [["alpha", "beta", "gamma"], ["alpha", "gamma"], ["alpha"]]
 
     model = build_model(spec, dropped(plans, full.task_infos))
-    runner = OnnxRunner(art, prefer_gpu=False)
+    runner = OnnxRunner(art, device="cpu")
     for task in TASKS:  # the pruned task changes; every other task is exactly what it was
         for inputs in CASES:
             enc = runner.encoder.encode(inputs)
@@ -277,7 +195,7 @@ def test_drop_layers_removes_the_fusion_there_and_the_manifest_says_why(built_st
         assert record["kept_per_layer"][2] == [] and manifest["tasks"][task]["adapters_per_layer"][2] == []
         assert all(why == "layer 2 dropped (--drop-layers)" for why in record["dropped_per_layer"][2].values())
         assert len(record["kept"]) <= 2
-    runner = OnnxRunner(art, prefer_gpu=False)
+    runner = OnnxRunner(art, device="cpu")
     acts = runner.run("rte", runner.encoder.encode(CASES[0]), return_fusion_activations=True).fusion_activations
     assert np.all(acts[:, 2] == 0) and np.all(acts[:, 0].sum(-1) > 0.99)
     code, out, _ = _cli(capsys, "inspect", art)
@@ -355,34 +273,7 @@ def test_prune_rule_needs_exactly_one_criterion():
         PruneRule(keep_top=1, min_activation=0.1)
 
 
-# --- evaluate --------------------------------------------------------------------------------------------------
-
-
-def test_evaluate_counts_correct_predictions_and_reports_bad_lines(built_st, spec_runner, tmp_path, capsys):
-    labels = TASKS["rte"][3]
-    inputs = [TextInput(s) for s in SENTENCES] + [TextInput(a, b) for a, b in PAIRS]
-    predicted = np.argmax(spec_runner.logits("rte", inputs)[0], axis=-1)
-    # label the first five as predicted and the rest as something else: accuracy 5 of 8
-    rows = [{"text": i.text, **({"text_pair": i.text_pair} if i.text_pair else {}),
-             "label": labels[p] if k < 5 else labels[(p + 1) % 3]} for k, (i, p) in enumerate(zip(inputs, predicted, strict=True))]  # fmt: skip
-    rows += [{"text": "the cat"}, {"text": "the dog", "label": "maybe"}, {"text": "", "label": "neutral"}]
-    src = _jsonl(tmp_path / "labelled.jsonl", rows)
-    result = evaluate(spec_runner, "rte", read_labelled_jsonl(src, True), batch_size=3)
-    assert (result.examples, result.correct) == (8, 5) and result.accuracy == 62.5
-    assert sum(n for n, _ in result.per_label.values()) == 8
-    assert [no for no, _ in result.bad] == [9, 10, 11]
-    assert "missing field 'label'" in result.bad[0][1] and "label 'maybe' is not one of task 'rte''s labels" in result.bad[1][1]
-    low, high = result.ci95
-    assert low < 62.5 < high
-
-    code, out, err = _cli(capsys, "evaluate", built_st.spec, "--task", "rte", "--input", src)
-    assert code == 0 and out.startswith("rte: accuracy 62.50% (5/8; 95% CI") and "3 line(s) of" in err
-    code, out, _ = _cli(capsys, "evaluate", built_st.spec, "--task", "rte", "--input", src, "--json")
-    assert json.loads(out)["accuracy"] == 62.5
-    code, _, err = _cli(
-        capsys, "evaluate", built_st.spec, "--task", "rte", "--input", _jsonl(tmp_path / "x.jsonl", [{"text": "a"}])
-    )
-    assert code == 2 and "no usable labelled line to evaluate task 'rte' on (1 bad line(s))" in err
+# --- prune --eval ----------------------------------------------------------------------------------------------
 
 
 def test_prune_with_eval_prints_accuracy_and_latency_side_by_side(built_st, stats, tmp_path, capsys):

@@ -1,91 +1,31 @@
 """`fusionserve score`: JSONL / CSV / Parquet in and out on a tiny exported artifact (real ONNX Runtime sessions), the
-same predictions as OnnxRunner row by row, length-sorted batches put back in order, resume after an interrupted or
-killed run, bad rows in the side file, clear errors, and the Ray Data path giving the local path's output."""
+same predictions as OnnxRunner row by row, length-sorted batches put back in order, bad rows in the side file and
+clear errors. Resuming is in test_score_resume.py, the Ray Data path in test_score_ray.py."""
 
-import csv
 import datetime as dt
-import io
 import json
-import os
-import random
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from fusionserve.errors import InputError
-from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.cli import main
+from fusionserve.cli.main import main
+from fusionserve.scoring.core import mean_activations, score_inputs
+from fusionserve.scoring.progress import side_files
+from fusionserve.scoring.score import score_file
 from fusionserve.serving.predictions import TextInput, label_scores
-from fusionserve.serving.progress import side_files
 from fusionserve.serving.runtime import OnnxRunner
-from fusionserve.serving.score import ScoreConfig, mean_activations, score_file, score_inputs
-from tests.adapterhub_models import PAIRS, WORDS
-
-MAX_SEQ_LEN = 32
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("score") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=MAX_SEQ_LEN, progress=False)
-    return out
+from tests.adapterhub_models import PAIRS
+from tests.score_helpers import MAX_SEQ_LEN, _cfg, _errors, _read, _texts, _write
 
 
 @pytest.fixture(scope="module")
 def runner(artifact) -> OnnxRunner:
-    return OnnxRunner(artifact, prefer_gpu=False)
-
-
-def _texts(n: int, seed: int = 0) -> list[str]:
-    """Sentences of 1 to 40 words (some past the 32-token limit), lengths shuffled."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choices(WORDS, k=rng.randint(1, 40))) for _ in range(n)]
+    return OnnxRunner(artifact, device="cpu")
 
 
 def _one_by_one(runner: OnnxRunner, task: str, inputs: list[TextInput]) -> list[tuple[str, float, dict[str, float]]]:
     labels = runner.labels[task]
     return [label_scores(labels, runner.run(task, runner.encoder.encode([x])).logits)[0] for x in inputs]
-
-
-def _cfg(artifact: Path, src: Path, dst: Path, **kw) -> ScoreConfig:
-    kw.setdefault("task", "rte")
-    kw.setdefault("chunk_size", 5)
-    kw.setdefault("batch_size", 3)
-    return ScoreConfig(model=artifact, input=src, output=dst, progress=False, **kw)
-
-
-def _write(path: Path, rows: list[dict]) -> Path:
-    """``rows`` in the format of ``path``'s extension (CSV: every value as its string)."""
-    if path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    elif path.suffix == ".csv":
-        with path.open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    else:
-        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
-    return path
-
-
-def _read(path: Path) -> list[dict]:
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines()]
-    if path.suffix == ".csv":
-        return list(csv.DictReader(io.StringIO(path.read_text(), newline="")))
-    return pq.read_table(path).to_pylist()
-
-
-def _errors(dst: Path) -> list[dict]:
-    path = side_files(dst)[0]
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _cli(capsys, *argv):
@@ -190,7 +130,7 @@ def test_rows_of_an_encoded_chunk_equal_encoding_those_rows_alone(runner):
 
 def test_length_sorted_batches_pad_less_and_results_stay_in_input_order(artifact, runner):
     inputs = [TextInput(t) for t in _texts(30, seed=1)]
-    rec = _Recording(artifact, prefer_gpu=False)
+    rec = _Recording(artifact, device="cpu")
     got = score_inputs(rec, "nli", inputs, batch_size=4)
     assert rec.lengths == sorted(rec.lengths) and len(rec.lengths) == 8
     unsorted = [runner.encoder.encode(inputs[i : i + 4]).input_ids.shape[1] for i in range(0, 30, 4)]
@@ -289,122 +229,3 @@ def test_spec_instead_of_artifact_is_refused(built_st, tmp_path, capsys):
     src = _write(tmp_path / "in.jsonl", [{"text": "hi"}])
     code, _, err = _cli(capsys, "score", built_st.spec, "--task", "rte", "--input", src)
     assert code == 2 and "is not an artifact folder" in err and "fusionserve export" in err
-
-
-# --- resume -----------------------------------------------------------------------------------------------------
-
-
-def _rows_with_bad_ones(n: int) -> list[dict]:
-    rows: list[dict] = [{"id": i, "text": t} for i, t in enumerate(_texts(n, seed=2))]
-    for i in (3, 11, 17):
-        rows[i]["text"] = " "
-    return rows
-
-
-@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
-def test_interrupted_run_resumes_to_the_uninterrupted_output(artifact, tmp_path, fmt):
-    src = _write(tmp_path / f"in.{fmt}", _rows_with_bad_ones(28))
-    ref, dst = tmp_path / f"ref.{fmt}", tmp_path / f"out.{fmt}"
-    score_file(_cfg(artifact, src, ref, all_scores=True))
-
-    first = score_file(_cfg(artifact, src, dst, all_scores=True), max_rows=10)  # stops after 2 chunks of 5
-    assert (first.rows, first.complete) == (10, False)
-    errors, progress, parts = side_files(dst)
-    # a crash in the middle of the next chunk: its output reached the disk, the progress file did not
-    if fmt == "parquet":
-        assert len(list(parts.glob("part-*.parquet"))) == 2
-        pq.write_table(pa.table({"junk": [1]}), parts / "part-000002.parquet")
-    else:
-        with dst.open("a") as fh:
-            fh.write('{"id": 10, "text": "the mov' if fmt == "jsonl" else "10,the mov")  # a cut last line
-        with errors.open("a") as fh:
-            fh.write('{"row": 12, "err')
-
-    second = score_file(_cfg(artifact, src, dst, all_scores=True))
-    assert (second.resumed_from, second.rows, second.scored, second.failed, second.complete) == (10, 28, 25, 3, True)
-    if fmt == "parquet":
-        assert pq.read_table(dst).equals(pq.read_table(ref)) and not parts.exists()
-    else:
-        assert dst.read_bytes() == ref.read_bytes()  # no duplicates, no gaps, nothing left of the cut line
-    assert errors.read_bytes() == side_files(ref)[0].read_bytes()
-    assert [e["row"] for e in _errors(dst)] == [4, 12, 18]
-
-    again = score_file(_cfg(artifact, src, dst, all_scores=True))  # complete: nothing left to do
-    assert (again.rows, again.resumed_from, again.complete) == (28, 28, True)
-    assert json.loads(progress.read_text())["complete"] is True
-
-
-def test_killed_run_resumes_without_duplicates_or_gaps(artifact, tmp_path):
-    src = _write(tmp_path / "in.jsonl", [{"id": i, "text": t} for i, t in enumerate(_texts(2000, seed=4))])
-    ref, dst = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    score_file(_cfg(artifact, src, ref, chunk_size=10, batch_size=8))
-    progress = side_files(dst)[1]
-    cmd = [sys.executable, "-m", "fusionserve.serving.cli", "score", str(artifact), "--task", "rte", "--input", str(src),
-           "--output", str(dst), "--chunk-size", "10", "--batch-size", "8", "--threads", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        if progress.exists() and json.loads(progress.read_text() or "{}").get("rows_done", 0) >= 50:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before it could be killed; give it more rows"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    done = json.loads(progress.read_text())["rows_done"]
-    assert 50 <= done < 2000 and done % 10 == 0
-
-    resumed = score_file(_cfg(artifact, src, dst, chunk_size=10, batch_size=8))
-    assert (resumed.resumed_from, resumed.rows, resumed.complete) == (done, 2000, True)
-    assert dst.read_bytes() == ref.read_bytes()
-
-
-def test_an_output_of_another_run_is_refused_unless_overwrite(artifact, tmp_path):
-    src = _write(tmp_path / "in.jsonl", [{"text": t} for t in _texts(7)])
-    dst = tmp_path / "out.jsonl"
-    score_file(_cfg(artifact, src, dst), max_rows=5)
-    with pytest.raises(InputError, match=r"written by a different scoring run \(task: 'rte' then, 'nli' now\); pass --overwrite"):
-        score_file(_cfg(artifact, src, dst, task="nli"))
-    with pytest.raises(InputError, match=r"--all-scores: False then, True now"):
-        score_file(_cfg(artifact, src, dst, all_scores=True))
-    _write(src, [{"text": t} for t in _texts(7, seed=9)])  # same path, other rows
-    with pytest.raises(InputError, match=r"input \(sha256\): '[0-9a-f]{12}' then, '[0-9a-f]{12}' now"):
-        score_file(_cfg(artifact, src, dst))
-    fresh = score_file(_cfg(artifact, src, dst, task="nli", overwrite=True))
-    assert (fresh.resumed_from, fresh.rows, fresh.complete) == (0, 7, True)
-    assert {r["label"] for r in _read(dst)} <= {"yes", "no"}
-
-    other = tmp_path / "mine.jsonl"
-    other.write_text("precious\n")
-    with pytest.raises(InputError, match="exists and was not written by `fusionserve score`"):
-        score_file(_cfg(artifact, src, other))
-    assert other.read_text() == "precious\n"
-
-
-# --- Ray Data ---------------------------------------------------------------------------------------------------
-
-
-def test_ray_data_path_gives_the_local_output(artifact, tmp_path):
-    import ray
-
-    jsonl = tmp_path / "in.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in _rows_with_bad_ones(23)) + "{not json\n")
-    parquet = _write(tmp_path / "in.parquet", _rows_with_bad_ones(19))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        for src in (jsonl, parquet):
-            local, remote = tmp_path / f"local{src.suffix}", tmp_path / f"ray{src.suffix}"
-            a = score_file(_cfg(artifact, src, local, activations=True))
-            b = score_file(_cfg(artifact, src, remote, activations=True, ray=True))
-            assert (b.rows, b.scored, b.failed, b.complete) == (a.rows, a.scored, a.failed, True)
-            assert (
-                remote.read_bytes() == local.read_bytes()
-                if src.suffix == ".jsonl"
-                else pq.read_table(remote).equals(pq.read_table(local))
-            )
-            assert side_files(remote)[0].read_bytes() == side_files(local)[0].read_bytes()
-        unfinished = tmp_path / "unfinished.jsonl"
-        score_file(_cfg(artifact, jsonl, unfinished), max_rows=5)
-        with pytest.raises(InputError, match=r"--ray does not resume.*rerun without --ray to finish it"):
-            score_file(_cfg(artifact, jsonl, unfinished, ray=True))
-    finally:
-        ray.shutdown()

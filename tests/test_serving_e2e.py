@@ -58,7 +58,7 @@ def server(artifact, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    cmd = [sys.executable, "-m", "fusionserve.serving.cli", "serve", str(artifact), "--port", str(port),
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(port),
            "--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "--max-batch-size", "4",
            "--batch-wait-ms", "100", "--max-ongoing", "4", "--max-queued", "4", "--threads", "1"]  # fmt: skip
     with log.open("w") as fh:
@@ -88,7 +88,7 @@ def server(artifact, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(artifact) -> OnnxRunner:
-    return OnnxRunner(artifact, prefer_gpu=False)
+    return OnnxRunner(artifact, device="cpu")
 
 
 def test_classify_texts_and_pairs_for_two_tasks(server, local):

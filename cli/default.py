@@ -15,9 +15,8 @@ from pathlib import Path
 
 import fusionserve
 from fusionserve.errors import FusionServeError
+from fusionserve.serving.artifact import is_artifact
 from fusionserve.settings import cache_root
-
-from .artifact import is_artifact
 
 DEFAULT_MODEL = Path(fusionserve.__file__).resolve().parent / "default_model"
 SPEC_FILE = "model.yaml"

@@ -1,9 +1,4 @@
-"""Rows in and out of JSON lines, CSV and Parquet files, a chunk at a time: a file is never read whole.
-
-Reading is two steps, so that Ray can run them in different places: ``raw_rows`` splits a file into (row number,
-payload) — JSONL lines, CSV field lists, Parquet records — and ``parse`` turns a payload into a record (a dict)
-or the InputError that row has. Row numbers start at 1: the line number for JSONL (blank lines are skipped but
-counted), the data row after the header for CSV, the row for Parquet.
+"""Rows into JSON lines, CSV and Parquet files, a chunk at a time, each chunk committed to disk.
 
 Writers append the rows of a chunk and ``commit`` them to disk (flushed and fsynced) so that a scoring run can
 stop anywhere and go on later: JSONL and CSV grow in place; Parquet, which cannot be appended to, is written as
@@ -19,173 +14,19 @@ import csv
 import datetime as dt
 import decimal
 import io
-import itertools
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
 
-from .predictions import TextInput
-
-Record = dict[str, Any]
-SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
-_PARQUET_READ_ROWS = 4096  # rows decoded at a time: bounds memory whatever the file's row-group size
-# csv's default field limit (128 KiB) refuses long documents; the limit is module-global, so raise it once here
-csv.field_size_limit(1 << 30)
-
-
-def format_of(path: Path) -> str:
-    """'jsonl', 'csv' or 'parquet' from the file's extension; raises InputError naming the known extensions."""
-    fmt = SUFFIXES.get(path.suffix.lower())
-    if fmt is None:
-        known = ", ".join(SUFFIXES)
-        raise InputError(f"cannot tell the format of {path} from its extension {path.suffix!r}; known: {known}")
-    return fmt
-
-
-@dataclass(frozen=True)
-class Source:
-    """An input file, checked: its format and, for CSV and Parquet, its columns."""
-
-    path: Path
-    fmt: str
-    columns: tuple[str, ...] | None  # CSV header or Parquet schema names; None for JSONL (fields vary by row)
-    schema: pa.Schema | None  # Parquet only
-    rows: int | None  # Parquet only (from the footer): the progress bar's total
-
-
-def open_source(path: Path) -> Source:
-    """Check ``path`` and read its header or schema. Raises InputError when it is missing, unreadable, of an
-    unknown format, or a CSV without a header row."""
-    fmt = format_of(path)
-    if not path.is_file():
-        raise InputError(f"input file not found: {path}")
-    try:
-        with path.open("rb") as fh:
-            if fmt == "csv":
-                return Source(path, fmt, csv_header(fh, path), None, None)
-            if fmt == "parquet":
-                meta = pq.ParquetFile(fh).metadata
-                schema = meta.schema.to_arrow_schema()
-                return Source(path, fmt, tuple(schema.names), schema, meta.num_rows)
-    except OSError as exc:
-        raise InputError(f"cannot read input file {path}: {exc.strerror or exc}") from None
-    except pa.ArrowException as exc:
-        raise InputError(f"{path} is not a readable Parquet file: {exc}") from None
-    return Source(path, fmt, None, None, None)
-
-
-def csv_header(fh: BinaryIO, path: Path | str) -> tuple[str, ...]:
-    """The first row of a CSV file. Raises InputError for an empty file or repeated column names."""
-    header = next(csv.reader(_text(fh)), None)
-    if not header:
-        raise InputError(f"{path} has no header row (the first row names the columns)")
-    repeated = sorted({c for c in header if header.count(c) > 1})
-    if repeated:
-        raise InputError(f"{path}: column name(s) {', '.join(map(repr, repeated))} appear more than once in the header")
-    return tuple(header)
-
-
-def _text(fh: BinaryIO) -> io.TextIOWrapper:
-    # utf-8-sig: spreadsheet exports start with a byte-order mark; newline="" lets csv handle quoted line breaks
-    return io.TextIOWrapper(fh, encoding="utf-8-sig", newline="")
-
-
-def raw_rows(fmt: str, fh: BinaryIO, path: Path | str) -> Iterator[tuple[int, Any]]:
-    """(row number, payload) for every row of an open file: the line (bytes) for JSONL, the fields for CSV, the
-    record for Parquet. Raises InputError where the file itself is unreadable (CSV that is not UTF-8)."""
-    if fmt == "jsonl":
-        for no, line in enumerate(fh, start=1):
-            if line.strip():
-                yield no, line
-    elif fmt == "csv":
-        reader = csv.reader(_text(fh))
-        no = 0
-        try:
-            next(reader, None)  # the header
-            for no, fields in enumerate(reader, start=1):
-                if fields:
-                    yield no, fields
-        except (UnicodeDecodeError, csv.Error) as exc:
-            raise InputError(f"{path}: cannot read data row {no + 1}: {exc}") from None
-    else:
-        no = 0
-        for batch in pq.ParquetFile(fh).iter_batches(batch_size=_PARQUET_READ_ROWS):
-            for record in batch.to_pylist():
-                no += 1
-                yield no, record
-
-
-def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """Consecutive lists of ``size`` items (the last may be shorter)."""
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
-
-
-def parse(fmt: str, payload: Any, header: Sequence[str] | None = None) -> Record | InputError:
-    """A payload of ``raw_rows`` as a record, or the InputError saying why it is not one."""
-    if fmt == "jsonl":
-        try:
-            obj = json.loads(payload)
-        except UnicodeDecodeError:
-            return InputError("not valid UTF-8")
-        except json.JSONDecodeError as exc:
-            return InputError(f"not valid JSON: {exc.msg} (column {exc.colno})")
-        if not isinstance(obj, dict):
-            return InputError(f"expected a JSON object, got {_kind(obj)}")
-        return obj
-    if fmt == "csv":
-        if header is None:
-            raise ValueError("parsing CSV needs the header")
-        if len(payload) != len(header):
-            return InputError(f"has {len(payload)} field(s), the header has {len(header)}")
-        return dict(zip(header, payload, strict=True))
-    return payload
-
-
-def to_input(record: Record, text_field: str, pair_field: str | None) -> TextInput | InputError:
-    """The text (and pair) a record holds, or the InputError naming the field and what is wrong with it."""
-    values: list[str | None] = []
-    for name in (text_field, pair_field):
-        if name is None:
-            values.append(None)
-            continue
-        if name not in record:
-            return InputError(f"missing field '{name}'")
-        value = record[name]
-        if value is None:
-            return InputError(f"field '{name}' is null")
-        if not isinstance(value, str):
-            return InputError(f"field '{name}' must be a string, got {_kind(value)} {_short(value)}")
-        if not value.strip():
-            return InputError(f"field '{name}' is empty" if not value else f"field '{name}' is only whitespace")
-        values.append(value)
-    text, pair = values
-    if text is None:
-        raise ValueError("text_field is required")
-    return TextInput(text, pair)
-
-
-def _kind(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# --- writing ---------------------------------------------------------------------------------------------------
+from .readers import Record, csv_header
 
 
 def json_value(value: Any) -> Any:

@@ -22,7 +22,6 @@ finishes. The input file and the artifact folder must be readable at the same pa
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,14 @@ import ray
 from ray.data.datasource import FileBasedDatasource
 
 from fusionserve.errors import InputError
+from fusionserve.serving.artifact import Artifact
+from fusionserve.serving.cluster import connect
+from fusionserve.serving.runtime import OnnxRunner
 
-from .artifact import Artifact
-from .runtime import OnnxRunner
-from .score import ScoreConfig, Scored, Sink, score_records
-from .tabular import Record, Source, chunked, parse, raw_rows
+from .config import ScoreConfig
+from .core import Scored, score_records
+from .readers import Record, Source, chunked, parse, raw_rows
+from .sink import Sink
 
 _PREFIX = "__fusionserve_"  # the columns we add beside the input's own
 ROW, PAYLOAD = _PREFIX + "row", _PREFIX + "payload"
@@ -77,7 +79,7 @@ class ScoreBatches:
     def __init__(self, cfg: ScoreConfig, artifact: str, fmt: str, header: tuple[str, ...] | None) -> None:
         self.cfg, self.fmt, self.header = cfg, fmt, header
         # CPU only: Ray hides GPUs from an actor that did not reserve one
-        self.runner = OnnxRunner(artifact, threads=cfg.threads or 1, prefer_gpu=False)
+        self.runner = OnnxRunner(artifact, threads=cfg.threads or 1, device="cpu")
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         cfg = self.cfg
@@ -117,19 +119,10 @@ def _results(batch: pa.Table) -> list[Scored | InputError]:
     return out
 
 
-def _connect(address: str | None) -> bool:
-    """Join the running Ray (a test's, or ``address``, or ``RAY_ADDRESS``), or start a local one; True if started."""
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline job
-    ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
-    return True
-
-
 def score_with_ray(cfg: ScoreConfig, source: Source, artifact: Artifact, sink: Sink, on_rows: Callable[[int], Any]) -> None:
     """Score ``source`` on Ray Data into ``sink``, committing each batch as it arrives, in input order.
     Raises InputError when the input or artifact path is not readable by Ray, FusionServeError from the actors."""
-    started = _connect(cfg.ray_address)
+    started = connect(cfg.ray_address)
     ctx = ray.data.DataContext.get_current()
     saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
     ctx.execution_options.preserve_order = True  # the output keeps the input order

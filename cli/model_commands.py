@@ -1,0 +1,115 @@
+"""``fusionserve export``, ``predict`` and ``inspect``: a spec or an artifact, turned into an artifact, answers, or
+a description."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fusionserve.errors import InputError
+from fusionserve.serving.artifact import is_artifact, load_artifact, render_manifest
+from fusionserve.serving.predictions import TextInput
+
+from . import default
+from .runners import open_runner
+
+
+def add_export(sub: Any) -> None:
+    ex = sub.add_parser("export", help="export a spec to a validated ONNX artifact folder")
+    ex.add_argument("model", help="model spec file (YAML or JSON)")
+    ex.add_argument("--out", required=True, type=Path, help="artifact folder to write")
+    ex.add_argument(
+        "--precision", choices=["fp32", "fp16"], default="fp32", help="fp16 halves the weights, for GPU (default fp32)"
+    )
+    ex.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="token limit recorded for serving (default: the tokenizer's, at most the model's positions)",
+    )
+    ex.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ex.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks of the spec (default: all)")
+    ex.set_defaults(run=run_export, needs="export")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from fusionserve.export.artifact import export_artifact
+
+    manifest = export_artifact(args.model, args.out, args.precision, args.max_seq_len, args.opset, args.force, tasks=args.tasks)
+    print(
+        f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "
+        f"max |diff| vs PyTorch {manifest['parity']['max_abs_diff']['logits']:.2g}, {manifest['fused_operators']['summary']}"
+    )
+    return 0
+
+
+def add_predict(sub: Any) -> None:
+    pr = sub.add_parser("predict", help="classify texts with an artifact folder or a model spec")
+    pr.add_argument(
+        "model",
+        nargs="?",
+        help="artifact folder (ONNX Runtime) or model spec file (PyTorch); default: the built-in model, exported on first use",
+    )
+    pr.add_argument("--task", required=True, help="target task to run")
+    src = pr.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="one text to classify")
+    src.add_argument("--input", type=Path, help='JSONL file, one {"text": ..., "text_pair": ...} object per line')
+    pr.add_argument("--text-pair", help="second text of a pair (with --text)")
+    pr.add_argument("--output", type=Path, help="write JSONL here instead of standard output")
+    pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    pr.set_defaults(run=run_predict, needs="serve")
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    from fusionserve.scoring.inputs import read_jsonl
+    from fusionserve.scoring.predict import predict
+
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.text_pair is not None and args.text is None:
+        raise InputError("--text-pair needs --text")
+    model = args.model if args.model is not None else str(default.ensure_artifact())
+    if args.text is not None:
+        inputs: Iterator[tuple[int, TextInput | InputError]] = iter([(1, TextInput(args.text, args.text_pair))])
+    else:
+        inputs = read_jsonl(args.input)
+    out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        ok, failed = predict(open_runner(model), args.task, inputs, out, args.batch_size, progress=args.output is not None)
+    finally:
+        if args.output:
+            out.close()
+    if failed:
+        print(f"{failed} of {ok + failed} inputs failed (error lines written in their place)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_inspect(sub: Any) -> None:
+    ins = sub.add_parser("inspect", help="describe a spec or an artifact: tasks, labels, adapters per layer, parameters")
+    ins.add_argument("model", help="artifact folder or model spec file")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ins.set_defaults(run=run_inspect, needs="serve")
+
+
+def inspect(model: str, as_json: bool) -> str:
+    """Describe a spec (tasks, labels, adapters per layer, parameter counts) or an artifact (its manifest)."""
+    if is_artifact(Path(model)):
+        manifest = load_artifact(model).manifest
+        return json.dumps(manifest, indent=2) if as_json else render_manifest(manifest)
+    from fusionserve.export.build import build_model
+    from fusionserve.export.spec import load_spec
+    from fusionserve.export.summary import render, summarize
+
+    spec = load_spec(model)
+    summary = summarize(spec, build_model(spec))
+    return json.dumps(summary, indent=2) if as_json else render(summary)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    print(inspect(args.model, args.json))
+    return 0

@@ -1,0 +1,54 @@
+"""What a ``fusionserve score`` run is asked to do: one frozen, validated configuration shared by the local run
+(``score.py``) and the Ray Data run (``score_ray.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusionserve.errors import InputError
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """What ``fusionserve score`` does; ``output`` None: ``<input stem>.scored<input suffix>`` beside the input."""
+
+    model: Path
+    task: str
+    input: Path
+    output: Path | None = None
+    text_field: str = "text"
+    pair_field: str | None = None
+    batch_size: int = 32
+    chunk_size: int = 1024
+    all_scores: bool = False
+    activations: bool = False
+    prefix: str = ""
+    threads: int | None = None
+    overwrite: bool = False
+    progress: bool = True
+    ray: bool = False
+    ray_address: str | None = None
+    ray_actors: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "chunk_size", "threads", "ray_actors"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if not self.text_field:
+            raise InputError("--text-field must name a field")
+        if self.pair_field == self.text_field:
+            raise InputError(f"--pair-field must differ from --text-field, both are '{self.text_field}'")
+        if self.ray_actors is not None and not self.uses_ray:
+            raise InputError("--ray-actors needs --ray or --ray-address")
+        if self.output_path.resolve() == self.input.resolve():
+            raise InputError(f"--output must differ from --input, both are {self.input}")
+
+    @property
+    def output_path(self) -> Path:
+        return self.output if self.output is not None else self.input.with_name(f"{self.input.stem}.scored{self.input.suffix}")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.ray or self.ray_address is not None

@@ -1,0 +1,116 @@
+"""Scoring rows with a runner: the core that the local run (``score.py``) and the Ray Data actors
+(``score_ray.py``) both call, and the columns a run adds to each row. No file handling and no Ray here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from fusionserve.errors import InputError
+from fusionserve.serving.activations import token_means
+from fusionserve.serving.artifact import TaskEntry
+from fusionserve.serving.predictions import TextInput, label_scores
+from fusionserve.serving.runtime import OnnxRunner
+
+from .config import ScoreConfig
+from .readers import Record, to_input
+
+
+@dataclass(frozen=True)
+class Scored:
+    label: str
+    score: float  # probability of ``label``
+    scores: tuple[float, ...]  # every label's probability, label-id order
+    activations: tuple[float, ...] | None  # per task adapter: mean fusion weight over layers and real tokens
+    truncated: bool
+
+
+def mean_activations(acts: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """(batch, task adapters): each adapter's fusion weight averaged over the row's real tokens, then over layers
+    (each layer's weights sum to 1, so a row's values do too)."""
+    per_layer = token_means(acts, mask, np.float64)  # (batch, layers, adapters)
+    return np.round(per_layer.mean(axis=1), 6)
+
+
+def score_inputs(
+    runner: OnnxRunner,
+    task: str,
+    inputs: Sequence[TextInput],
+    batch_size: int,
+    activations: bool = False,
+    on_rows: Callable[[int], object] | None = None,
+) -> list[Scored]:
+    """Score ``inputs`` in batches of similar token length; results in input order. Raises what the runner
+    raises (unknown task, no fusion for activations, runtime failure)."""
+    labels = runner.artifact.task(task).labels
+    if not inputs:  # a chunk whose rows were all bad
+        return []
+    # tokenized once: the lengths to sort by, and every batch a slice of it padded to its own longest
+    encoded = runner.encoder.encode(inputs)
+    lengths = encoded.attention_mask.sum(axis=1)
+    order = sorted(range(len(inputs)), key=lengths.__getitem__)
+    out: list[Scored | None] = [None] * len(inputs)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        enc = encoded.rows(idx)
+        res = runner.run(task, enc, return_fusion_activations=activations)
+        acts = None
+        if res.fusion_activations is not None:
+            acts = mean_activations(res.fusion_activations, enc.attention_mask)  # (batch, task adapters)
+        for k, (i, (label, score, probs)) in enumerate(zip(idx, label_scores(labels, res.logits), strict=True)):
+            row_acts = None if acts is None else tuple(float(v) for v in acts[k])
+            out[i] = Scored(label, score, tuple(probs.values()), row_acts, enc.truncated[k])
+        if on_rows is not None:
+            on_rows(len(idx))
+    if any(s is None for s in out):
+        raise RuntimeError(f"scored {sum(s is not None for s in out)} of {len(out)} inputs")
+    return [s for s in out if s is not None]
+
+
+def score_records(
+    runner: OnnxRunner,
+    task: str,
+    records: Sequence[Record | InputError],
+    text_field: str,
+    pair_field: str | None,
+    batch_size: int,
+    activations: bool = False,
+    on_rows: Callable[[int], object] | None = None,
+) -> list[Scored | InputError]:
+    """One result per record, in order: its Scored, or the InputError of a row that has no usable text."""
+    inputs = [r if isinstance(r, InputError) else to_input(r, text_field, pair_field) for r in records]
+    texts = [x for x in inputs if isinstance(x, TextInput)]
+    scored = iter(score_inputs(runner, task, texts, batch_size, activations, on_rows))
+    return [x if isinstance(x, InputError) else next(scored) for x in inputs]
+
+
+@dataclass(frozen=True)
+class Added:
+    """Columns a run adds to each row: ``label``, ``score``, then ``score_<label>`` (all scores) and
+    ``activation_<adapter>`` (activations), each name behind ``prefix``."""
+
+    names: tuple[str, ...]
+    n_scores: int
+    n_acts: int
+
+    @classmethod
+    def of(cls, cfg: ScoreConfig, entry: TaskEntry) -> Added:
+        p = cfg.prefix
+        scores = [f"{p}score_{lab}" for lab in entry.labels] if cfg.all_scores else []
+        acts = [f"{p}activation_{a}" for a in entry.adapters] if cfg.activations else []
+        return cls((f"{p}label", f"{p}score", *scores, *acts), len(scores), len(acts))
+
+    def values(self, s: Scored) -> Record:
+        vals: list[Any] = [s.label, s.score]
+        if self.n_scores:
+            vals += s.scores
+        if self.n_acts and s.activations is not None:
+            vals += s.activations
+        return dict(zip(self.names, vals, strict=True))
+
+    def schema(self) -> pa.Schema:
+        return pa.schema([pa.field(self.names[0], pa.string())] + [pa.field(n, pa.float64()) for n in self.names[1:]])

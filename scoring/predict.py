@@ -1,0 +1,71 @@
+"""``fusionserve predict``: classify inputs with any runner and write one JSON line per input, in order."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from fusionserve.errors import InputError
+from fusionserve.serving.predictions import TextInput, label_scores
+from fusionserve.serving.runner import Runner
+
+from .inputs import batched
+
+
+def format_predictions(
+    labels: Sequence[str], logits: np.ndarray, truncated: Sequence[bool], inputs: Sequence[TextInput]
+) -> list[dict[str, Any]]:
+    """One JSON-ready dict per row: label, scores (label -> probability), logits in label-id order."""
+    if len(logits) != len(inputs):
+        raise RuntimeError(f"runner returned {len(logits)} rows for {len(inputs)} inputs")
+    out = []
+    for row, (label, _, scores), cut, inp in zip(logits, label_scores(labels, logits), truncated, inputs, strict=True):
+        item: dict[str, Any] = {} if inp.id is None else {"id": inp.id}
+        item["label"] = label
+        item["scores"] = scores
+        item["logits"] = [round(float(v), 6) for v in row]
+        if cut:
+            item["truncated"] = True
+        out.append(item)
+    return out
+
+
+def predict(
+    runner: Runner,
+    task: str,
+    inputs: Iterator[tuple[int, TextInput | InputError]],
+    out: TextIO,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> tuple[int, int]:
+    """Classify ``inputs`` and write one JSON line per input, in order; a bad input gets an ``error`` line and
+    the rest go on. Returns (predicted, failed). Raises InputError for an unknown task."""
+    from tqdm import tqdm
+
+    labels = runner.labels
+    if task not in labels:
+        raise InputError(f"unknown task '{task}'; known tasks: {', '.join(labels)}")
+    ok = failed = 0
+    bar = tqdm(desc=f"predict {task}", unit="text", disable=not progress, file=sys.stderr)
+    for batch in batched(inputs, batch_size):
+        good = [(no, x) for no, x in batch if isinstance(x, TextInput)]
+        rows: dict[int, dict[str, Any]] = {}
+        if good:
+            logits, truncated = runner.logits(task, [x for _, x in good])
+            for (no, _), row in zip(good, format_predictions(labels[task], logits, truncated, [x for _, x in good]), strict=True):
+                rows[no] = row
+        for no, x in batch:
+            if isinstance(x, InputError):
+                rows[no] = {"line": no, "error": str(x)}
+                bar.write(f"line {no}: {x}", file=sys.stderr)
+                failed += 1
+            else:
+                ok += 1
+            out.write(json.dumps(rows[no], ensure_ascii=False) + "\n")
+        bar.update(len(batch))
+    bar.close()
+    return ok, failed

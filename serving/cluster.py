@@ -1,0 +1,54 @@
+"""Joining Ray: the running instance (a test's, or the cluster named by ``RAY_ADDRESS`` or an address), or a new
+local one. Shared by the server and by ``score --ray``; Ray is imported only here, when it is needed."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+from fusionserve.errors import FusionServeError
+
+_PROBE_S = 5.0  # an address where nothing answers: Ray itself would retry for minutes
+
+
+class ClusterError(FusionServeError):
+    """Ray did not start, or the cluster could not be joined."""
+
+
+def connect(address: str | None = None) -> bool:
+    """Join Ray or start it; True when this call started it (the caller then shuts it down).
+
+    Raises ClusterError with one line saying what failed, instead of Ray's traceback."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline machine
+    import ray
+
+    if ray.is_initialized():
+        return False
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    if target is not None:
+        _probe(target)
+    try:
+        ray.init(address=target, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # Ray's start-up raises ConnectionError, RuntimeError, TimeoutError, ValueError, ...
+        where = f"join the Ray cluster at {target}" if target else "start a local Ray instance"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason given"
+        raise ClusterError(f"could not {where}: {type(exc).__name__}: {reason}") from None
+    return True
+
+
+def _probe(address: str) -> None:
+    """Fail at once, with the reason, when nothing answers at a ``host:port`` (or ``ray://host:port``) address;
+    other forms ('auto', ...) are left to Ray."""
+    m = re.fullmatch(r"(?:ray://)?\[?([^\]\s]+?)\]?:(\d+)", address.strip())
+    if m is None:
+        return
+    host, port = m.group(1), int(m.group(2))
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_S):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"could not join the Ray cluster at {address}: nothing answers there ({type(exc).__name__}: {exc.strerror or exc}); "
+            "start it with `ray start --head`, or unset RAY_ADDRESS to start a local Ray"
+        ) from None

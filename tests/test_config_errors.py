@@ -1,0 +1,88 @@
+"""Refused adapter, fusion and head configurations: the CheckpointError names the config file, the field and its
+value. Every case starts from a copy of folders AdapterHub saved (the ``root`` fixture in conftest.py) and changes
+one field of one config file."""
+
+import pytest
+
+from fusionserve.errors import CheckpointError
+from tests.checkpoint_helpers import _all_of, _build, _edit_json, _set_config
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("architecture", "lora", "'lora'"),
+        ("architecture", "prefix_tuning", "'prefix_tuning'"),
+        ("use_gating", True, "True"),
+        ("phm_layer", True, "True"),
+        ("is_parallel", True, "True"),
+        ("ln_before", True, "True"),
+        ("ln_after", True, "True"),
+        ("mh_adapter", True, "True"),
+        ("output_adapter", False, "False"),
+        ("original_ln_after", False, "False"),
+        ("residual_before_ln", False, "False"),
+        ("residual_before_ln", "post_add", "'post_add'"),
+        ("inv_adapter", "nice", "'nice'"),
+        ("scaling", "learned", "'learned'"),
+        ("scaling", "channel", "'channel'"),
+        ("non_linearity", "weird", "'weird'"),
+    ],
+)
+def test_unsupported_adapter_config(root, field, value, shown):
+    path = root / "adapters/alpha/adapter_config.json"
+    _set_config(path, **{field: value})
+    with pytest.raises(CheckpointError, match=_all_of(path, f"field 'config.{field}' = {shown}", "not supported")):
+        _build(root)
+
+
+def test_adapter_config_unknown_field(root):
+    path = root / "adapters/alpha/adapter_config.json"
+    _set_config(path, rank=8)
+    with pytest.raises(CheckpointError, match=_all_of(path, "unknown config field(s) ['rank']")):
+        _build(root)
+
+
+def test_adapter_config_missing_field(root):
+    path = root / "adapters/alpha/adapter_config.json"
+    _edit_json(path, lambda d: d["config"].pop("residual_before_ln"))
+    with pytest.raises(CheckpointError, match=_all_of(path, "field 'config.residual_before_ln' is missing")):
+        _build(root)
+
+
+def test_fusion_residual_before(root):
+    path = root / "fusions/rte/adapter_fusion_config.json"
+    _set_config(path, residual_before=True)
+    with pytest.raises(CheckpointError, match=_all_of(path, "field 'config.residual_before' = True", "not supported")):
+        _build(root)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("query", "yes"), ("query_before_ln", 1), ("key", None)])
+def test_fusion_flag_that_is_not_a_bool(root, flag, value):
+    path = root / "fusions/rte/adapter_fusion_config.json"
+    _set_config(path, **{flag: value})
+    with pytest.raises(CheckpointError, match=_all_of(path, f"field 'config.{flag}' = {value!r}", "true or false")):
+        _build(root)
+
+
+def test_head_type_tagging(root):
+    path = root / "heads/rte/head_config.json"
+    _set_config(path, head_type="tagging")
+    with pytest.raises(CheckpointError, match=_all_of(path, "field 'config.head_type' = 'tagging'", "'classification'")):
+        _build(root)
+
+
+@pytest.mark.parametrize(
+    "label2id",
+    [
+        {"entailment": 0, "neutral": 1, "contradiction": 3},  # a gap
+        {"entailment": 0, "neutral": 0, "contradiction": 1},  # an id twice
+        {"entailment": 0, "neutral": 1},  # too few for num_labels = 3
+        {"entailment": "0", "neutral": "1", "contradiction": "2"},  # not integers
+    ],
+)
+def test_head_label2id_not_0_to_n_minus_1(root, label2id):
+    path = root / "heads/rte/head_config.json"
+    _set_config(path, label2id=label2id)
+    with pytest.raises(CheckpointError, match=_all_of(path, f"field 'config.label2id' = {label2id!r}", "0..2")):
+        _build(root)

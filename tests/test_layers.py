@@ -1,0 +1,141 @@
+"""The layers import one way: the CLI above everything; export (torch) and scoring on serving's light contracts;
+serving on nothing but itself; no module cycles. Read from the source (every import, the lazy ones inside
+functions included), and checked for real by importing the torch-free side where torch cannot be imported."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder -> package (pyproject's package-dir)
+PACKAGES = {"fusionserve": "fusionserve", "cli": "fusionserve.cli", "export": "fusionserve.export",
+            "serving": "fusionserve.serving", "scoring": "fusionserve.scoring", "training": "fusionserve.training"}  # fmt: skip
+BASE = {"fusionserve", "fusionserve.errors", "fusionserve.settings"}
+# serving's light contracts: what the artifact is and how to run it, usable without the HTTP server
+CONTRACTS = {
+    f"fusionserve.serving.{m}" for m in ("artifact", "tokenize", "runtime", "runner", "predictions", "activations", "cluster")
+}
+SERVING = "fusionserve.serving"
+# layer -> what it may import besides itself and the base
+ALLOWED = {
+    "fusionserve": set(),
+    "fusionserve.serving": set(),
+    "fusionserve.scoring": CONTRACTS,
+    "fusionserve.export": CONTRACTS,
+    "fusionserve.training": CONTRACTS | {"fusionserve.export"},
+    "fusionserve.cli": {"*"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every fusionserve module ``name`` imports, at the top or inside a function."""
+    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            # `from pkg import module` names a module; `from module import symbol` the module itself
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known}
+    return out
+
+
+def _layer(module: str) -> str:
+    for layer in sorted(ALLOWED, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    raise AssertionError(f"{module} belongs to no layer")
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for module, targets in _graph().items():
+        layer = _layer(module)
+        for target in sorted(targets):
+            if target in BASE or _layer(target) == layer or "*" in ALLOWED[layer]:
+                continue
+            if not any(target == ok or target.startswith(ok + ".") for ok in ALLOWED[layer]):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_scoring_and_export_use_only_servings_contracts_not_the_http_server():
+    http = {m for m in _modules() if m.startswith(SERVING + ".") and m not in CONTRACTS}
+    assert http >= {f"{SERVING}.app", f"{SERVING}.server", f"{SERVING}.batching"}  # the check means something
+    users = [(m, t) for m, ts in _graph().items() for t in ts & http if not m.startswith((SERVING, "fusionserve.cli"))]
+    assert not users
+
+
+def test_no_module_import_cycles():
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+_BLOCK_TORCH = """
+import importlib.abc, json, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "adapters"):
+            raise ModuleNotFoundError(f"No module named {name!r} (refused by the test)", name=name)
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+@pytest.mark.slow
+def test_serving_scoring_and_cli_import_without_torch():
+    modules = [m for m in _modules() if _layer(m) in ("fusionserve", SERVING, "fusionserve.scoring", "fusionserve.cli")]
+    code = _BLOCK_TORCH + (
+        f"for m in {modules!r}:\n    __import__(m)\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'onnxruntime', 'tokenizers')}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "torch": False,
+        "transformers": False,
+        "onnxruntime": True,
+        "tokenizers": True,
+    }
+    assert len(modules) > 20

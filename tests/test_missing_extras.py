@@ -1,0 +1,104 @@
+"""A missing extra or a Ray that cannot be reached ends ``fusionserve`` with one readable line naming what to do
+(exit 2), never a traceback. Each case runs the real CLI in a fresh interpreter where the package is made
+unimportable."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionserve.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_RUN_WITHOUT = """
+import importlib.abc, sys
+BLOCKED = {blocked!r}
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Refuse())
+from fusionserve.cli.main import main
+sys.exit(main({argv!r}))
+"""
+
+
+def _cli_without(blocked: list[str], argv: list[str]) -> subprocess.CompletedProcess[str]:
+    code = _RUN_WITHOUT.format(blocked=blocked, argv=argv)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def artifact_and_input(tmp_path_factory, built_st) -> tuple[Path, Path]:
+    from fusionserve.export.artifact import export_artifact
+
+    folder = tmp_path_factory.mktemp("extras")
+    export_artifact(built_st.spec, folder / "art", max_seq_len=32, progress=False)
+    rows = folder / "in.jsonl"
+    rows.write_text(json.dumps({"text": "a fine film"}) + "\n", encoding="utf-8")
+    return folder / "art", rows
+
+
+@pytest.mark.slow
+def test_score_without_pyarrow_names_the_batch_extra(artifact_and_input, tmp_path):
+    art, rows = artifact_and_input
+    done = _cli_without(
+        ["pyarrow"], ["score", str(art), "--task", "rte", "--input", str(rows), "--output", str(tmp_path / "o.jsonl")]
+    )
+    assert _one_line(done) == (
+        "fusionserve: error: 'fusionserve score' needs pyarrow, which is not installed: pip install 'fusionserve[batch]'"
+    )
+
+
+@pytest.mark.slow
+def test_serve_without_ray_names_the_serve_extra(artifact_and_input):
+    art, _ = artifact_and_input
+    done = _cli_without(["ray"], ["serve", str(art), "--port", "8099"])
+    assert (
+        _one_line(done)
+        == "fusionserve: error: 'fusionserve serve' needs ray, which is not installed: pip install 'fusionserve[serve]'"
+    )
+
+
+@pytest.mark.slow
+def test_export_without_torch_names_the_export_extra(built_st, tmp_path):
+    done = _cli_without(["torch"], ["export", str(built_st.spec), "--out", str(tmp_path / "art")])
+    assert _one_line(done) == (
+        "fusionserve: error: 'fusionserve export' needs torch, which is not installed: pip install 'fusionserve[export]'"
+    )
+
+
+def test_a_broken_fusionserve_import_is_not_mistaken_for_a_missing_extra(monkeypatch):
+    import fusionserve.cli.model_commands as commands
+
+    def broken(args):
+        raise ModuleNotFoundError("No module named 'fusionserve.nothing'", name="fusionserve.nothing")
+
+    monkeypatch.setattr(commands, "run_inspect", broken)
+    with pytest.raises(ModuleNotFoundError):
+        main(["inspect", "x"])
+
+
+def test_serve_against_a_ray_address_where_nothing_answers_fails_at_once(artifact_and_input, monkeypatch, capsys):
+    art, _ = artifact_and_input
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert main(["serve", str(art), "--port", "8099"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fusionserve: error: could not join the Ray cluster at 127.0.0.1:{port}: nothing answers there")
+    assert err.count("\n") == 1

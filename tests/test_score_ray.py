@@ -1,0 +1,39 @@
+"""`fusionserve score --ray`: the Ray Data path gives the local path's output, bad rows included, and does not
+resume a run it did not finish."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from fusionserve.errors import InputError
+from fusionserve.scoring.progress import side_files
+from fusionserve.scoring.score import score_file
+from tests.score_helpers import _cfg, _rows_with_bad_ones, _write
+
+
+def test_ray_data_path_gives_the_local_output(artifact, tmp_path):
+    import ray
+
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in _rows_with_bad_ones(23)) + "{not json\n")
+    parquet = _write(tmp_path / "in.parquet", _rows_with_bad_ones(19))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for src in (jsonl, parquet):
+            local, remote = tmp_path / f"local{src.suffix}", tmp_path / f"ray{src.suffix}"
+            a = score_file(_cfg(artifact, src, local, activations=True))
+            b = score_file(_cfg(artifact, src, remote, activations=True, ray=True))
+            assert (b.rows, b.scored, b.failed, b.complete) == (a.rows, a.scored, a.failed, True)
+            assert (
+                remote.read_bytes() == local.read_bytes()
+                if src.suffix == ".jsonl"
+                else pq.read_table(remote).equals(pq.read_table(local))
+            )
+            assert side_files(remote)[0].read_bytes() == side_files(local)[0].read_bytes()
+        unfinished = tmp_path / "unfinished.jsonl"
+        score_file(_cfg(artifact, jsonl, unfinished), max_rows=5)
+        with pytest.raises(InputError, match=r"--ray does not resume.*rerun without --ray to finish it"):
+            score_file(_cfg(artifact, jsonl, unfinished, ray=True))
+    finally:
+        ray.shutdown()
