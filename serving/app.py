@@ -1,29 +1,26 @@
 """The Ray Serve deployment: FastAPI routes in front of one ONNX Runtime session, in one replica process.
 
-HTTP handling and the model share the replica so a request crosses one Ray hop (proxy -> replica), the same as
-a no-op deployment; `--replicas` runs more of them. Bad input is refused here, before the model: 422 for a
-malformed body or bad fields, 404 for an unknown task, 413 for a body or request over the limits (or a text
-over the token limit in strict mode); when the replicas' queues are full Serve answers 503. Nothing the caller
-sends can produce a 500.
+HTTP handling and the model share the replica, so a request crosses no Ray hop once it reaches the replica (with
+the default HAProxy ingress, HAProxy hands the connection straight to a replica's own HTTP port). Bad input is
+refused here, before the model: 422 for a malformed body or bad fields, 404 for an unknown task, 413 for a body or
+request over the limits (or a text over the token limit in strict mode), 503 at once when the replica's queue is
+full. Batching is ``batching.Scheduler``'s: no timer at low load, a token budget under load.
 """
 
-import asyncio
-import json
 import os
 import time
-from collections.abc import Callable, Coroutine
 from typing import Any
 
-import numpy as np
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 from ray import serve
 
 from fusionserve import __version__
 
 from .artifact import TaskEntry, load_artifact
-from .batching import BatchRunner, Job, JobResult
+from .batching import BatchLimits, BatchStats, JobResult, Overloaded, Scheduler
 from .metrics import Metrics
 from .predictions import TextInput, label_scores
 from .runtime import OnnxRunner
@@ -34,77 +31,64 @@ app = FastAPI(
     version=__version__,
     description="AdapterFusion classification over one ONNX graph. Every task of the artifact behind one endpoint.",
 )
+_JSON = "application/json"
+_READY_EVERY_S = 5.0
 
-Queue = Callable[[Job], Coroutine[Any, Any, JobResult]]
+
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status, headers, media_type=_JSON)
+
+
+def _replica_id() -> str:
+    """This replica's Serve id (sent back as ``x-fusionserve-replica``, so load spread over replicas is visible)."""
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside a Serve replica (a test instantiating the class): the process id will do
+        return str(os.getpid())
 
 
 def _answer(task: str, entry: TaskEntry, result: JobResult, with_acts: bool) -> dict[str, Any]:
     preds = [
         {"label": label, "score": score, "scores": scores, "truncated": bool(cut)}
-        for (label, score, scores), cut in zip(
-            label_scores(entry.labels, np.asarray(result.logits)), result.truncated, strict=True
-        )
+        for (label, score, scores), cut in zip(label_scores(entry.labels, result.logits), result.truncated, strict=True)
     ]
     out: dict[str, Any] = {"task": task, "predictions": preds}
     if with_acts and result.activations is not None:
-        values = [[[round(v, 6) for v in row] for row in per] for per in result.activations]
+        values = [[[round(v, 6) for v in row] for row in per] for per in result.activations.tolist()]
         out["fusion_activations"] = {"adapters": list(entry.adapters), "values": values}
     return out
 
 
 @serve.ingress(app)
 class FusionServe:
-    """One replica: validation, per-task dynamic batching (one ``@serve.batch`` queue per task, so tasks never
-    wait for each other), one ONNX Runtime session, metrics."""
+    """One replica: validation, continuous batching over every task's queue, one ONNX Runtime session, metrics."""
 
-    def __init__(
-        self,
-        artifact_dir: str,
-        limits: Limits,
-        max_batch_size: int,
-        batch_wait_s: float,
-        threads: int | None,
-        device: str = "auto",
-    ) -> None:
+    def __init__(self, artifact_dir: str, limits: Limits, batch: BatchLimits, threads: int | None, device: str = "auto") -> None:
         self.artifact = load_artifact(artifact_dir)
-        # no spinning: between runs the cores belong to the HTTP proxy and the event loop. On CUDA the runner
-        # binds reused device buffers and pads batches to bucket lengths (see serving/runtime.py).
+        # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
+        # buffers and pads batches to bucket lengths (see serving/runtime.py).
         runner = OnnxRunner(self.artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)
-        self.runner = BatchRunner(runner)
         self.encoder = runner.encoder
         self.limits = limits
         self.stats = Metrics()
-        self.queues: dict[str, Queue] = {}
-        for task in self.artifact.tasks:
-            # batch_size_fn: a request with k inputs takes k places, so the model never sees more than
-            # max_batch_size texts at once
-            self.queues[task] = serve.batch(
-                max_batch_size=max_batch_size,
-                batch_wait_timeout_s=batch_wait_s,
-                batch_size_fn=lambda jobs: sum(len(j.inputs) for j in jobs),
-            )(self._batch_handler(task))
+        self.scheduler = Scheduler(runner, batch, self._on_batch)
         self._ready_at = 0.0
+        self._headers = {"x-fusionserve-replica": _replica_id()}
 
-    def _batch_handler(self, task: str) -> Callable[[list[Job]], Coroutine[Any, Any, list[JobResult]]]:
-        async def handle(jobs: list[Job]) -> list[JobResult]:
-            # the session runs in a worker thread, so the event loop keeps taking requests meanwhile
-            return await asyncio.to_thread(self.runner.run, task, jobs)
-
-        return handle
+    def _on_batch(self, batch: BatchStats) -> None:
+        self.stats.observe_batch(batch, self.artifact.tasks[batch.task].adapters)
 
     # --- routes ---------------------------------------------------------------------------------------------
 
     @app.post(
         "/v1/classify",
         response_model=ClassifyResponse,
-        openapi_extra={
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ClassifyRequest.model_json_schema()}}}
-        },
+        openapi_extra={"requestBody": {"required": True, "content": {_JSON: {"schema": ClassifyRequest.model_json_schema()}}}},
         responses={
             404: {"description": "unknown task"},
             413: {"description": "too large"},
             422: {"description": "bad request body"},
-            503: {"description": "overloaded"},
+            503: {"description": "overloaded: the replica's queue is full; retry later"},
         },
     )
     async def classify(self, request: Request) -> Response:
@@ -126,14 +110,17 @@ class FusionServe:
                 raise HTTPError(
                     422, "no_fusion", f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations"
                 )
-            result = await self.queues[task](Job(task, inputs))
-            self.stats.observe_result(task, result, entry.adapters)
-            payload = _answer(task, entry, result, req.return_fusion_activations)
-            return self._done(task, 200, started, JSONResponse(payload))
+            try:
+                result = await self.scheduler.submit(task, inputs)
+            except Overloaded as exc:
+                raise HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later") from None
+            response = _json(_answer(task, entry, result, req.return_fusion_activations), headers=self._headers)
+            self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
+            return response
         except HTTPError as err:
-            self.stats.rejected.labels(err.reason).inc()
-            body = {"error": {"type": err.reason, "message": err.message}}
-            return self._done(task, err.status, started, JSONResponse(body, err.status))
+            self.stats.observe_rejected(err.reason)
+            self.stats.observe_request(task, err.status, time.perf_counter() - started)
+            return _json({"error": {"type": err.reason, "message": err.message}}, err.status)
 
     @app.get("/v1/tasks")
     async def tasks(self) -> dict[str, Any]:
@@ -155,14 +142,14 @@ class FusionServe:
     @app.get("/readyz")
     async def readyz(self) -> Response:
         """The model answers a real request (checked at most every 5 s)."""
-        if time.monotonic() - self._ready_at > 5.0:
+        if time.monotonic() - self._ready_at > _READY_EVERY_S:
             task = next(iter(self.artifact.tasks))
             try:
-                await self.queues[task](Job(task, (TextInput("ready"),)))
+                await self.scheduler.submit(task, (TextInput("ready"),))
             except Exception as exc:  # any failure of the model path means not ready; say which
-                return JSONResponse({"status": "not ready", "error": f"{type(exc).__name__}: {exc}"}, 503)
+                return _json({"status": "not ready", "error": f"{type(exc).__name__}: {exc}"}, 503)
             self._ready_at = time.monotonic()
-        return JSONResponse({"status": "ready"})
+        return _json({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -186,13 +173,13 @@ class FusionServe:
         return b"".join(chunks)
 
     def _parse(self, body: bytes) -> ClassifyRequest:
-        try:
-            json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HTTPError(422, "malformed_json", f"the body is not valid JSON: {exc}") from None
+        """The body, parsed and validated in one pass; a body that is not JSON is ``malformed_json``."""
         try:
             return ClassifyRequest.model_validate_json(body)
         except ValidationError as exc:
+            errors = exc.errors()
+            if errors and errors[0]["type"] == "json_invalid":
+                raise HTTPError(422, "malformed_json", f"the body is not valid JSON: {errors[0]['msg']}") from None
             raise HTTPError(422, "invalid_request", describe_validation_error(exc)) from None
 
     def _task(self, task: str) -> TaskEntry:
@@ -207,16 +194,11 @@ class FusionServe:
             where = ", ".join(f"inputs[{i}] has {n}" for i, n in over[:5])
             raise HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {self.artifact.max_seq_len} (strict mode)")
 
-    def _done(self, task: str, status: int, started: float, response: Response) -> Response:
-        self.stats.request_duration.labels(task, str(status)).observe(time.perf_counter() - started)
-        return response
-
 
 def deployment(replicas: int, threads: int, max_ongoing: int, max_queued: int, gpus: float = 0.0) -> Any:
     """FusionServe as a Serve deployment: ``replicas`` replicas reserving ``threads`` CPUs (and ``gpus`` GPUs,
-    a fraction when replicas share one) each. Serve sends a replica at most ``max_ongoing`` requests at once (its
-    default of 5 would cap a batch at 5); beyond that up to ``max_queued`` wait, and the rest are refused with 503
-    at once."""
+    a fraction when replicas share one) each. Serve hands a replica at most ``max_ongoing`` requests at once and
+    keeps up to ``max_queued`` more waiting; the replica's own queue (``BatchLimits.max_queued``) refuses first."""
     return serve.deployment(
         FusionServe,
         name="fusionserve",

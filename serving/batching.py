@@ -1,81 +1,297 @@
-"""One model call for many requests of one task: pack, pad to the longest sequence in the batch (the runner may
-pad further, to its bucket length), run, split.
+"""Continuous batching for one replica, with no timer at low load.
 
-No Ray and no HTTP here: the Ray deployment (``serving/app.py``) only queues requests per task and hands each
-batch to ``BatchRunner.run``.
+A request is tokenized when it arrives (in a tokenizer thread, off the event loop) and its inputs join a queue as
+rows. One model thread sends batches to the model, one at a time: as soon as the model is free it takes the rows
+queued —
+oldest first, rows of one task per batch — up to ``max_batch_size`` rows and ``max_batch_tokens`` padded tokens
+(rows x the longest row, at the runner's bucket length), and while that batch runs the next one forms. A single
+request at an idle server therefore runs at once, and a request with more inputs than a batch holds is split over
+several batches, never refused. A request that finds ``max_queued`` requests already waiting is refused at once
+(``Overloaded``), so overload never builds a queue that answers late.
+
+The event loop only hands a request to a tokenizer thread and awaits its future; the model thread posts each
+batch's finished requests back to the loop in one call. So a request costs the loop two wake-ups, whatever the
+batching does. No Ray and no HTTP here: the deployment (``app.py``) only submits requests and reports results.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusionserve.errors import FusionServeError
 
 from .activations import token_means
 from .predictions import TextInput
 from .runtime import OnnxRunner
+from .tokenize import Tokens
+
+
+class Overloaded(FusionServeError):
+    """The replica already holds as many waiting requests as it may; the caller should retry later."""
 
 
 @dataclass(frozen=True)
-class Job:
-    """One request: some inputs for one task."""
+class BatchLimits:
+    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_s``: how long a
+    batch may wait to fill once the model is free (0: it leaves at once)."""
 
-    task: str
-    inputs: tuple[TextInput, ...]
-    enqueued_s: float = field(default_factory=time.perf_counter)
+    max_batch_size: int = 32
+    max_batch_tokens: int = 16384
+    max_queued: int = 64
+    batch_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_batch_size": self.max_batch_size >= 1,
+            "max_batch_tokens": self.max_batch_tokens >= 1,
+            "max_queued": self.max_queued >= 0,
+            "batch_wait_s": 0 <= self.batch_wait_s <= 10,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise FusionServeError(f"batch limits out of range: {', '.join(f'{k} = {getattr(self, k)}' for k in bad)}")
 
 
 @dataclass(frozen=True)
 class BatchStats:
-    """What one model call did; ``report`` is set on exactly one job of each batch, so metrics count it once."""
+    """What one model call did, for the metrics."""
 
+    task: str
     inputs: int
+    requests: int  # requests with a row in this batch
     tokens: int  # batch x padded length (the bucket's, when the runner buckets): what the model computed over
     model_ms: float
-    report: bool
+    truncated: int
+    activation_sums: np.ndarray | None  # (layers, task adapters): per-input token means, summed over the batch
 
 
 @dataclass(frozen=True)
 class JobResult:
-    logits: list[list[float]]  # per input, in label-id order
+    logits: np.ndarray  # (inputs, num_labels), label-id order
     truncated: list[bool]
-    activations: list[list[list[float]]] | None  # per input: (layers, task adapters), mean over its tokens
-    queue_ms: float
-    batch: BatchStats
+    activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens
+    queue_ms: float  # arrival -> the first batch that took one of its rows
+    batches: int  # how many model calls its rows went through
 
 
-class BatchRunner:
-    """Runs batches of jobs of one task through an OnnxRunner. Fusion tasks always compute activations over
-    real tokens: the server reports their running mean as a metric (what pruning needs)."""
+@dataclass(eq=False)
+class _Job:
+    task: str
+    n: int
+    future: asyncio.Future[JobResult]
+    loop: asyncio.AbstractEventLoop
+    arrived_s: float
+    logits: list[np.ndarray | None] = field(default_factory=list)
+    acts: list[np.ndarray | None] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    left: int = 0  # rows not yet computed
+    queued: int = 0  # rows not yet taken by a batch
+    started_s: float | None = None
+    batches: int = 0
+    failed: bool = False
 
-    def __init__(self, runner: OnnxRunner) -> None:
-        self.runner = runner
+    def __post_init__(self) -> None:
+        self.logits, self.acts, self.truncated = [None] * self.n, [None] * self.n, [False] * self.n
+        self.left = self.queued = self.n
 
-    def run(self, task: str, jobs: Sequence[Job]) -> list[JobResult]:
-        """One result per job, in order. Raises what the runner raises (unknown task, runtime failure)."""
-        started = time.perf_counter()
-        flat = [inp for job in jobs for inp in job.inputs]
-        enc = self.runner.encoder.encode(flat)
-        fusion = self.runner.artifact.task(task).kind == "fusion"
-        out = self.runner.run(task, enc, return_fusion_activations=fusion)
-        model_ms = (time.perf_counter() - started) * 1000
-        per_input_acts = None
-        if out.fusion_activations is not None:
-            per_input_acts = token_means(out.fusion_activations, enc.attention_mask)  # (batch, layers, adapters)
-        batch, seq = enc.input_ids.shape
-        stats = BatchStats(len(flat), batch * self.runner.padded_length(seq), model_ms, report=False)
-        results, start = [], 0
-        for i, job in enumerate(jobs):
-            end = start + len(job.inputs)
-            acts = per_input_acts[start:end].tolist() if per_input_acts is not None else None
-            results.append(
-                JobResult(
-                    logits=out.logits[start:end].tolist(),
-                    truncated=enc.truncated[start:end],
-                    activations=acts,
-                    queue_ms=(started - job.enqueued_s) * 1000,
-                    batch=BatchStats(stats.inputs, stats.tokens, stats.model_ms, report=i == 0),
-                )
+    @property
+    def gone(self) -> bool:
+        """Failed, or its caller went away (the future was cancelled): its rows need no computing."""
+        return self.failed or self.future.cancelled()
+
+
+@dataclass(frozen=True)
+class _Row:
+    job: _Job
+    index: int  # position in its request
+    tokens: Tokens
+
+
+class Scheduler:
+    """Queues requests' rows and runs them through ``runner`` in batches (see the module docstring). Its model
+    thread starts at the first ``submit``. ``on_batch`` is called with every batch's figures, in the model thread."""
+
+    def __init__(self, runner: OnnxRunner, limits: BatchLimits, on_batch: Callable[[BatchStats], None] | None = None) -> None:
+        if limits.max_batch_tokens < runner.artifact.max_seq_len:
+            raise FusionServeError(
+                f"max_batch_tokens = {limits.max_batch_tokens} cannot hold one input of the artifact's token limit "
+                f"({runner.artifact.max_seq_len}); allowed: >= {runner.artifact.max_seq_len}"
             )
-            start = end
-        return results
+        self.runner, self.limits, self.on_batch = runner, limits, on_batch
+        self._queues: dict[str, deque[_Row]] = {}
+        self._waiting = 0  # requests with rows not yet taken by a batch (admission counts these)
+        self._lock = threading.Condition()  # guards the queues and the counters; the model thread waits on it
+        self._thread: threading.Thread | None = None
+        self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="fusionserve-tokenize")
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for the model (not yet taken by a batch), those still being tokenized included."""
+        return self._waiting
+
+    @property
+    def queued_rows(self) -> int:
+        """Inputs tokenized and queued for a batch."""
+        with self._lock:
+            return sum(map(len, self._queues.values()))
+
+    async def submit(self, task: str, inputs: Sequence[TextInput]) -> JobResult:
+        """Classify ``inputs`` for ``task``. Raises Overloaded when ``max_queued`` requests already wait, and what
+        the tokenizer or the runner raises for this request's rows."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._waiting >= self.limits.max_queued:
+                raise Overloaded(f"{self._waiting} requests are waiting for the model; the limit is {self.limits.max_queued}")
+            self._waiting += 1  # counted before tokenizing: a burst is refused at once, not after its tokens
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
+                self._thread.start()
+        job = _Job(task, len(inputs), loop.create_future(), loop, time.perf_counter())
+        self._tokenize.submit(self._enqueue, job, inputs)
+        return await job.future
+
+    def _enqueue(self, job: _Job, inputs: Sequence[TextInput]) -> None:
+        """In a tokenizer thread: the request's rows join its task's queue, and the model thread is told."""
+        try:
+            tokens = self.runner.encoder.tokens(inputs)
+        except Exception as exc:  # a tokenizer failure fails this request only
+            with self._lock:
+                self._waiting -= 1
+            job.failed = True
+            failed: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]] = [(job.future, exc)]
+            job.loop.call_soon_threadsafe(_settle, failed)
+            return
+        with self._lock:
+            self._queues.setdefault(job.task, deque()).extend(_Row(job, i, t) for i, t in enumerate(tokens))
+            self._lock.notify()
+
+    def _work(self) -> None:
+        """The model thread: forever, the next batch as soon as there is one, then its results to the loops."""
+        while True:
+            with self._lock:
+                while not any(self._queues.values()):
+                    self._lock.wait()
+                if self.limits.batch_wait_s and sum(map(len, self._queues.values())) < self.limits.max_batch_size:
+                    self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
+                task, rows = self._take()
+            if not rows:
+                continue
+            try:
+                logits, acts = self._run(task, rows)
+            except Exception as exc:  # the runner failed this batch: fail its requests, keep serving the others
+                self._post(_failed(rows, exc))
+            else:
+                self._post(_delivered(rows, logits, acts))
+
+    def _post(self, settled: list[tuple[_Job, JobResult | BaseException]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[JobResult], JobResult | BaseException]]] = {}
+        for job, outcome in settled:
+            by_loop.setdefault(job.loop, []).append((job.future, outcome))
+        for loop, items in by_loop.items():  # one wake-up per loop and batch
+            try:
+                loop.call_soon_threadsafe(_settle, items)
+            except RuntimeError:  # that loop is closed: nobody waits for these answers any more
+                continue
+
+    def _take(self) -> tuple[str, list[_Row]]:
+        """The next batch (under the lock): rows of the task whose first row waited longest, in order, within the
+        limits."""
+        for queue in self._queues.values():  # drop the rows of requests nobody waits for
+            while queue and queue[0].job.gone:
+                self._dequeued(queue.popleft())
+        task = min((t for t, q in self._queues.items() if q), key=lambda t: self._queues[t][0].job.arrived_s, default="")
+        if not task:
+            return "", []
+        queue, longest = self._queues[task], 0
+        rows: list[_Row] = []
+        now = time.perf_counter()
+        while queue and len(rows) < self.limits.max_batch_size:
+            row = queue[0]
+            width = self.runner.padded_length(max(longest, row.tokens.length))
+            if rows and width * (len(rows) + 1) > self.limits.max_batch_tokens:
+                break
+            queue.popleft()
+            self._dequeued(row)
+            if row.job.gone:
+                continue
+            longest = max(longest, row.tokens.length)
+            rows.append(row)
+            if row.job.started_s is None:
+                row.job.started_s = now
+        return task, rows
+
+    def _dequeued(self, row: _Row) -> None:
+        row.job.queued -= 1
+        if row.job.queued == 0:
+            self._waiting -= 1
+
+    def _run(self, task: str, rows: list[_Row]) -> tuple[np.ndarray, np.ndarray | None]:
+        """One model call (in the model thread): (logits, per-input activation means or None)."""
+        started = time.perf_counter()
+        enc = self.runner.encoder.pad([r.tokens for r in rows])
+        fusion = self.runner.artifact.task(task).kind == "fusion"  # fusion tasks always report activations
+        out = self.runner.run(task, enc, return_fusion_activations=fusion)
+        acts = None if out.fusion_activations is None else token_means(out.fusion_activations, enc.attention_mask)
+        if self.on_batch is not None:
+            self.on_batch(
+                BatchStats(
+                    task=task, inputs=len(rows), requests=len({id(r.job) for r in rows}),
+                    tokens=len(rows) * self.runner.padded_length(enc.input_ids.shape[1]),
+                    model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
+                    activation_sums=None if acts is None else acts.sum(axis=0),
+                )
+            )  # fmt: skip
+        return out.logits, acts  # (batch, labels), (batch, layers, task adapters)
+
+
+def _delivered(rows: list[_Row], logits: np.ndarray, acts: np.ndarray | None) -> list[tuple[_Job, JobResult | BaseException]]:
+    """Record a batch's rows in their requests; the requests it completed, with their results."""
+    for job in {id(r.job): r.job for r in rows}.values():
+        job.batches += 1
+    done: list[tuple[_Job, JobResult | BaseException]] = []
+    for k, row in enumerate(rows):
+        job = row.job
+        job.logits[row.index], job.truncated[row.index] = logits[k], row.tokens.truncated
+        job.acts[row.index] = None if acts is None else acts[k]
+        job.left -= 1
+        if job.left == 0 and not job.gone:
+            done.append((job, _result(job)))
+    return done
+
+
+def _failed(rows: list[_Row], exc: Exception) -> list[tuple[_Job, JobResult | BaseException]]:
+    jobs = {id(r.job): r.job for r in rows if not r.job.gone}
+    for job in jobs.values():
+        job.failed = True
+    return [(job, exc) for job in jobs.values()]
+
+
+def _settle(items: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]]) -> None:
+    """On the event loop: hand each waiting request its result or its error."""
+    for future, outcome in items:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
+def _result(job: _Job) -> JobResult:
+    acts = None if job.acts[0] is None else np.stack([a for a in job.acts if a is not None])
+    started = job.started_s if job.started_s is not None else job.arrived_s
+    return JobResult(
+        logits=np.stack([x for x in job.logits if x is not None]),
+        truncated=list(job.truncated),
+        activations=acts,
+        queue_ms=(started - job.arrived_s) * 1000,
+        batches=job.batches,
+    )

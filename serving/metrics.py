@@ -3,23 +3,29 @@
 Each replica is its own process. When ``PROMETHEUS_MULTIPROC_DIR`` is set (``fusionserve serve`` sets it for its
 replicas), every replica writes its samples there and ``/metrics`` on any replica answers for all replicas on
 that node (prometheus_client's multiprocess mode); otherwise a replica reports itself. The mean fusion activation
-is computed at scrape time from two counters, so it is exact across replicas too.
+is computed at scrape time from two counters, so it is exact across replicas too. Everything is recorded once per
+batch, not per request; the activation sums (one counter per task, layer and adapter) are added up in memory and
+written out every second, so another replica's last second may be missing from a scrape, never lost.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from .batching import JobResult
+from .batching import BatchStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536)
+FLUSH_S = 1.0  # the activation counters lag the served inputs by at most this (other replicas' sums, at a scrape)
 _ACT_SUM = "fusionserve_fusion_activation_weight_sum"
 _ACT_INPUTS = "fusionserve_fusion_activation_inputs"
 
@@ -92,23 +98,65 @@ class Metrics:
         )  # fmt: skip
         self.act_inputs = Counter(f"{_ACT_INPUTS}_total", "Inputs whose fusion weights were summed", ["task"], registry=r)
 
-    def observe_result(self, task: str, result: JobResult, adapters: tuple[str, ...]) -> None:
-        n = len(result.logits)
-        self.inputs.labels(task).inc(n)
-        self.truncated.labels(task).inc(sum(result.truncated))
-        self.queue_wait.labels(task).observe(result.queue_ms / 1000)
-        if result.batch.report:  # one job per batch carries the batch's figures
-            self.model_duration.labels(task).observe(result.batch.model_ms / 1000)
-            self.batch_size.labels(task).observe(result.batch.inputs)
-            self.batch_tokens.labels(task).observe(result.batch.tokens)
-        if result.activations:
-            for layer in range(len(result.activations[0])):  # summed over this job's inputs
-                for k, adapter in enumerate(adapters):
-                    self.act_sum.labels(task, str(layer), adapter).inc(sum(per[layer][k] for per in result.activations))
-            self.act_inputs.labels(task).inc(n)
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        self._acts: dict[tuple[str, tuple[str, ...]], list[Any]] = {}  # (task, adapters) -> [sums (layers, adapters), inputs]
+        self._acts_lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: prometheus_client locks and builds a key on every call."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def observe_request(self, task: str, status: int, seconds: float, queue_ms: float | None = None) -> None:
+        """One answered request: its duration by status, and for a classified one its wait for the model."""
+        self._child(self.request_duration, task, str(status)).observe(seconds)
+        if queue_ms is not None:
+            self._child(self.queue_wait, task).observe(queue_ms / 1000)
+
+    def observe_rejected(self, reason: str) -> None:
+        self._child(self.rejected, reason).inc()
+
+    def observe_batch(self, batch: BatchStats, adapters: tuple[str, ...]) -> None:
+        """One model call: called once per batch, not per request. The activation sums (a counter per task, layer
+        and adapter) are added up here and written out at most every ``FLUSH_S`` seconds, and at every scrape."""
+        task = batch.task
+        self._child(self.inputs, task).inc(batch.inputs)
+        if batch.truncated:
+            self._child(self.truncated, task).inc(batch.truncated)
+        self._child(self.model_duration, task).observe(batch.model_ms / 1000)
+        self._child(self.batch_size, task).observe(batch.inputs)
+        self._child(self.batch_tokens, task).observe(batch.tokens)
+        if batch.activation_sums is not None:  # (layers, adapters), summed over the batch's inputs
+            with self._acts_lock:
+                slot = self._acts.setdefault((task, adapters), [0.0, 0])
+                slot[0] = slot[0] + batch.activation_sums
+                slot[1] += batch.inputs
+                if self._flusher is None:
+                    self._flusher = threading.Thread(target=self._flush_forever, name="fusionserve-metrics", daemon=True)
+                    self._flusher.start()
+
+    def flush(self) -> None:
+        """Write the activation sums added up since the last flush into their counters."""
+        with self._acts_lock:
+            pending, self._acts = self._acts, {}
+        for (task, adapters), (sums, inputs) in pending.items():
+            for layer, row in enumerate(sums.tolist()):
+                for adapter, value in zip(adapters, row, strict=True):
+                    self._child(self.act_sum, task, str(layer), adapter).inc(value)
+            self._child(self.act_inputs, task).inc(inputs)
+
+    def _flush_forever(self) -> None:
+        while True:
+            time.sleep(FLUSH_S)
+            self.flush()
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of a scrape."""
+        self.flush()
         out = CollectorRegistry()
         path = _multiproc_dir()
         if path is None:

@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,13 @@ from typing import Any
 from fusionserve.errors import FusionServeError
 
 from .artifact import load_artifact
+from .batching import BatchLimits
 from .cluster import connect
+from .ingress import INGRESSES, VARIANTS, ingress_env
 from .runtime import DEVICES, DeviceError, resolve_device
 
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
+_ingress_dir: str | None = None  # HAProxy's config, socket and state files
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,15 @@ class ServerConfig:
     port: int = 8000
     replicas: int = 1
     max_batch_size: int = 32
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 0.0
     max_queued: int = 64
     max_ongoing: int | None = None
     max_inputs: int = 64
     max_body_bytes: int = 1_000_000
     threads: int | None = None  # per replica; default: this machine's CPUs / replicas
     device: str = "auto"  # auto | cpu | cuda: see serving/runtime.py
+    max_batch_tokens: int = 16384
+    ingress: str = INGRESSES[0]  # see serving/ingress.py
 
     def __post_init__(self) -> None:
         checks = {
@@ -48,6 +54,7 @@ class ServerConfig:
             "--max-queued": (self.max_queued, self.max_queued >= 0, ">= 0"),
             "--max-inputs": (self.max_inputs, self.max_inputs >= 1, ">= 1"),
             "--max-body-bytes": (self.max_body_bytes, self.max_body_bytes >= 1024, ">= 1024"),
+            "--max-batch-tokens": (self.max_batch_tokens, self.max_batch_tokens >= 8, ">= 8"),
         }
         for name, (value, ok, allowed) in checks.items():
             if not ok:
@@ -56,6 +63,19 @@ class ServerConfig:
             raise FusionServeError(f"--threads = {self.threads} is out of range; allowed: >= 1")
         if self.device not in DEVICES:
             raise FusionServeError(f"--device = '{self.device}' is not known; allowed: {', '.join(DEVICES)}")
+        if self.max_ongoing is not None and self.max_ongoing < 1:
+            raise FusionServeError(f"--max-ongoing = {self.max_ongoing} is out of range; allowed: >= 1")
+        if self.ingress not in VARIANTS:
+            raise FusionServeError(f"--ingress = '{self.ingress}' is not known; allowed: {', '.join(INGRESSES)}")
+
+    @property
+    def ongoing_per_replica(self) -> int:
+        """Requests Serve hands a replica at once: by default every request its queue may hold plus a full batch,
+        so the replica's own queue, which answers 503 at once, is what refuses first."""
+        return self.max_ongoing or self.max_queued + self.max_batch_size
+
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_queued, self.batch_wait_ms / 1000)
 
     @property
     def threads_per_replica(self) -> int:
@@ -88,27 +108,31 @@ def build_app(cfg: ServerConfig, metrics_dir: str | None = None, gpus: float = 0
     from .app import actor_options, deployment
     from .schemas import Limits
 
-    load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
+    artifact = load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
+    if cfg.max_batch_tokens < artifact.max_seq_len:
+        raise FusionServeError(
+            f"--max-batch-tokens = {cfg.max_batch_tokens} cannot hold one input of {artifact.max_seq_len} tokens "
+            f"(the artifact's token limit); allowed: >= {artifact.max_seq_len}"
+        )
     device, gpus_per_replica = placement(cfg.device, gpus, cfg.replicas)
-    # past max_ongoing, requests wait in Serve's router, which polls with backoff: measured here, 64 clients on a
-    # replica holding 32 fell from 46 to 13 req/s. Holding 4 batches lets the batch queue absorb them instead.
-    max_ongoing = cfg.max_ongoing or 4 * cfg.max_batch_size
-    dep = deployment(cfg.replicas, cfg.threads_per_replica, max_ongoing, cfg.max_queued, gpus_per_replica)
+    dep = deployment(cfg.replicas, cfg.threads_per_replica, cfg.ongoing_per_replica, cfg.max_queued, gpus_per_replica)
     if metrics_dir:
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         options = actor_options(cfg.threads_per_replica, gpus_per_replica) | {"runtime_env": {"env_vars": env}}
         dep = dep.options(ray_actor_options=options)
     limits = Limits(cfg.max_inputs, cfg.max_body_bytes)
-    artifact = str(cfg.artifact.resolve())
-    return dep.bind(artifact, limits, cfg.max_batch_size, cfg.batch_wait_ms / 1000, cfg.threads_per_replica, device)
+    return dep.bind(str(cfg.artifact.resolve()), limits, cfg.batch_limits(), cfg.threads_per_replica, device)
 
 
 def start(cfg: ServerConfig) -> str:
     """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port, and deploy; returns the base URL."""
-    global _metrics_dir
+    global _metrics_dir, _ingress_dir
     # a missing artifact or CUDA provider fails before Ray starts; how many GPUs there are, Ray tells
     load_artifact(cfg.artifact, verify=False)
     resolve_device(cfg.device)
+    # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
+    _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
     connect()
     import ray
     from ray import serve
@@ -117,7 +141,29 @@ def start(cfg: ServerConfig) -> str:
     app = build_app(cfg, _metrics_dir, float(ray.cluster_resources().get("GPU", 0.0)))
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(app, name="fusionserve", route_prefix="/")
-    return f"http://{cfg.host}:{cfg.port}"
+    url = f"http://{cfg.host}:{cfg.port}"
+    _wait_routed(url)
+    return url
+
+
+def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
+    """Return once the port answers the application's own route: the replicas report ready before the ingress
+    (HAProxy) has its routes, and until then it answers 404. Raises FusionServeError after ``timeout_s``."""
+    import urllib.error
+    import urllib.request
+
+    probe = url.replace("://0.0.0.0:", "://127.0.0.1:") + "/v1/tasks"
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(probe, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise FusionServeError(f"the application was deployed but {probe} did not answer within {timeout_s:.0f} s ({last})")
 
 
 def stop() -> None:
@@ -128,8 +174,9 @@ def stop() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
-        if _metrics_dir:
-            shutil.rmtree(_metrics_dir, ignore_errors=True)
+        for folder in (_metrics_dir, _ingress_dir):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def serve_forever(cfg: ServerConfig) -> None:

@@ -17,6 +17,19 @@ from .predictions import TextInput
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """One input's tokens, unpadded: what the server queues until a batch takes it."""
+
+    ids: np.ndarray  # (length,) int64
+    type_ids: np.ndarray  # (length,) int64
+    truncated: bool  # cut to max_length
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass(frozen=True)
 class Encoded:
     input_ids: np.ndarray  # (batch, seq) int64, padded to the longest input of the batch
     attention_mask: np.ndarray  # (batch, seq) int64
@@ -52,6 +65,8 @@ class Encoder:
         self._plain.no_padding()
         self._tok = Tokenizer.from_str(tokenizer.to_str())
         self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
+        self._unpadded = Tokenizer.from_str(self._tok.to_str())
+        self._unpadded.no_padding()
         self._tok.enable_padding(pad_id=pad_id, pad_token=pad_token)  # no length: pad to the batch's longest
 
     @classmethod
@@ -77,6 +92,32 @@ class Encoder:
             token_type_ids=np.asarray([e.type_ids for e in encs], dtype=np.int64),
             truncated=[len(e.overflowing) > 0 for e in encs],
         )
+
+    def tokens(self, inputs: Sequence[TextInput]) -> list[Tokens]:
+        """Each input's tokens, truncated like ``encode`` but not padded (``pad`` makes a batch of them)."""
+        encs = self._unpadded.encode_batch([_item(i) for i in inputs])
+        return [
+            Tokens(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64), len(e.overflowing) > 0)
+            for e in encs
+        ]
+
+    def pad(self, rows: Sequence[Tokens], length: int | None = None) -> Encoded:
+        """``rows`` as one batch padded on the right to ``length`` (default: the longest row): what ``encode`` gives
+        for the same inputs. Raises ValueError for no rows or a ``length`` shorter than a row."""
+        if not rows:
+            raise ValueError("nothing to pad")
+        longest = max(r.length for r in rows)
+        width = longest if length is None else length
+        if width < longest:
+            raise ValueError(f"cannot pad a row of {longest} tokens to {width}")
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)  # (batch, seq)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        types = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            ids[i, : r.length] = r.ids
+            mask[i, : r.length] = 1
+            types[i, : r.length] = r.type_ids
+        return Encoded(ids, mask, types, [r.truncated for r in rows])
 
     def pad_to(self, encoded: Encoded, length: int) -> Encoded:
         """``encoded`` padded on the right to ``length`` tokens (pad id, mask 0, segment 0); the same object when it

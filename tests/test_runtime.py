@@ -3,6 +3,7 @@
 IO binding works with the CPU provider too, and padding to a bucket is the same computation on either device, so the
 code path of the GPU runtime is covered on any machine. The tests that need a CUDA device are in test_gpu.py."""
 
+import asyncio
 import warnings
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from fusionserve.cli.main import main
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.batching import BatchRunner, Job
+from fusionserve.serving.batching import BatchLimits, BatchStats, JobResult, Scheduler
 from fusionserve.serving.predictions import TextInput
 from fusionserve.serving.runtime import CUDA, CUDA_BUCKET, DeviceError, OnnxRunner, resolve_device
 from fusionserve.serving.server import ServerConfig, placement
@@ -166,15 +167,20 @@ def test_bucketing_pads_to_the_expected_lengths(artifacts):
 
 
 def test_batch_metrics_count_the_bucketed_tokens(artifacts):
+    inputs = (TextInput(SENTENCES[0]), TextInput(SENTENCES[1]), TextInput(SENTENCES[4]))
+
+    def run(runner: OnnxRunner) -> tuple[list[BatchStats], JobResult]:
+        batches: list[BatchStats] = []
+        result = asyncio.run(Scheduler(runner, BatchLimits(max_batch_size=8), batches.append).submit("rte", inputs))
+        return batches, result
+
     runner = OnnxRunner(artifacts.fp32, device="cpu", seq_buckets=CUDA_BUCKET)
-    plain = BatchRunner(OnnxRunner(artifacts.fp32, device="cpu"))
-    jobs = [Job("rte", (TextInput(SENTENCES[0]),)), Job("rte", (TextInput(SENTENCES[1]), TextInput(SENTENCES[4])))]
-    got, want = BatchRunner(runner).run("rte", jobs), plain.run("rte", jobs)
-    seq = runner.encoder.encode([i for j in jobs for i in j.inputs]).input_ids.shape[1]
-    assert seq == 17 and got[0].batch.tokens == 3 * 32 and want[0].batch.tokens == 3 * 17
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a.logits, b.logits, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(a.activations, b.activations, atol=1e-5, rtol=0)
+    (got_batch,), got = run(runner)
+    (want_batch,), want = run(OnnxRunner(artifacts.fp32, device="cpu"))
+    seq = runner.encoder.encode(inputs).input_ids.shape[1]
+    assert seq == 17 and got_batch.tokens == 3 * 32 and want_batch.tokens == 3 * 17
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got.activations, want.activations, atol=1e-5, rtol=0)
 
 
 # --- device selection ----------------------------------------------------------------------------------------

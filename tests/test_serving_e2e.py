@@ -122,6 +122,18 @@ def test_fusion_activations_on_request(server, local):
     np.testing.assert_allclose(values, ref, atol=1e-5)
 
 
+def test_every_input_count_up_to_the_limit_is_answered_as_each_text_alone(server, local):
+    """More inputs than a batch holds (--max-batch-size 4) are split over batches, never refused."""
+    texts = [SENTENCES[i % len(SENTENCES)] + f" take {i}" for i in range(MAX_INPUTS)]
+    alone = np.concatenate([local.logits("custom", [TextInput(t)])[0] for t in texts])
+    labels = local.labels["custom"]
+    for n in range(1, MAX_INPUTS + 1):
+        status, body = _call(server[0] + "/v1/classify", {"task": "custom", "inputs": texts[:n]})
+        assert status == 200, (n, body)
+        got = np.array([[p["scores"][lab] for lab in labels] for p in body["predictions"]])
+        np.testing.assert_allclose(got, softmax(alone[:n].astype(np.float64)), atol=1e-5, err_msg=f"{n} inputs")
+
+
 BAD = [
     ("empty list", {"task": "rte", "inputs": []}, 422, "at least 1 item"),
     ("empty text", {"task": "rte", "inputs": ["ok", "  "]}, 422, "inputs[1]: must be a non-empty string"),

@@ -1,0 +1,138 @@
+"""The load benchmark's table, target lines and plot (from its JSON, so ``--render-only`` can redo them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _row(x: dict[str, Any]) -> str:
+    return (
+        f"| {x['clients']} | {x['requests']} | {x['errors']} | {x['lost']} | {x['throughput_rps']} | {x['p50_ms']} | "
+        f"{x['p95_ms']} | {x['p99_ms']} | {x.get('mean_batch', '-')} |"
+    )
+
+
+def _by_clients(rows: list[dict[str, Any]], clients: int) -> dict[str, Any] | None:
+    return next((x for x in rows if x["clients"] == clients), None)
+
+
+def _comparison(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "| ingress | p50, 1 client (ms) | req/s, 16 clients | mean batch, 16 | req/s, 64 clients | p99, 64 (ms) | replica port p50 (ms) | slowest 503 of the burst (ms) | start (s) | Ctrl-C (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in r["ingress"].items():
+        one, sixteen, sixty4 = (_by_clients(v["rows"], c) or {} for c in (1, 16, 64))
+        port = v.get("replica_port", {}).get("p50_ms", "-")
+        lines.append(
+            f"| {name} | {one.get('p50_ms', '-')} | {sixteen.get('throughput_rps', '-')} | {sixteen.get('mean_batch', '-')} | "
+            f"{sixty4.get('throughput_rps', '-')} | {sixty4.get('p99_ms', '-')} | {port} | {v['burst']['max_503_ms']} | "
+            f"{v['startup_s']} | {v['shutdown_s']} |"
+        )
+    echo = r["echo"]
+    lines.append(
+        f"| bare uvicorn + FastAPI echo (no model) | {echo[0]['p50_ms']} | {echo[1]['throughput_rps']} | - | - | - | - | - | - | - |"
+    )
+    return lines
+
+
+def _targets(r: dict[str, Any], name: str) -> list[str]:
+    v, ip = r["ingress"][name], r["in_process"]
+    one, sixteen = _by_clients(v["rows"], 1), _by_clients(v["rows"], 16)
+    best = max(x["texts_per_s"] for x in ip.values())
+    batch1 = ip["1"]["median_batch_ms"]
+    out = [f"Targets, `{name}`:"]
+    if one:
+        ok = one["p50_ms"] <= batch1 + 2
+        ok_echo = one["p50_ms"] <= r["echo"][0]["p50_ms"] + 2
+        out.append(
+            f"- p50 at 1 client {one['p50_ms']} ms vs in-process batch 1 {batch1} ms + 2 = {batch1 + 2:.2f} ms: "
+            f"{'met' if ok else 'NOT met'}; vs the echo app {r['echo'][0]['p50_ms']} + 2 ms: {'met' if ok_echo else 'NOT met'}."
+        )
+    if sixteen:
+        share = sixteen["throughput_rps"] / best
+        out.append(
+            f"- 16 clients: {sixteen['throughput_rps']} req/s = {share:.0%} of the best in-process {best} texts/s "
+            f"(target >= 80%: {'met' if share >= 0.8 else 'NOT met'}); mean batch {sixteen['mean_batch']} (target >= 8: "
+            f"{'met' if sixteen['mean_batch'] >= 8 else 'NOT met'})."
+        )
+    errs = sum(x["errors"] + x["lost"] for x in v["rows"])
+    b = v["burst"]
+    out.append(f"- errors + lost over all rows: {errs} (target 0: {'met' if errs == 0 else 'NOT met'}).")
+    out.append(
+        f"- burst of {b['requests']} x 8 texts: {b['statuses']}, 503s in {b['p50_503_ms']} ms median, slowest {b['max_503_ms']} ms "
+        f"(target < 100 ms: {'met' if b['max_503_ms'] is not None and b['max_503_ms'] < 100 else 'NOT met'}); "
+        f"right after it: {v['after_burst']}."
+    )
+    return out
+
+
+def _soak(s: dict[str, Any]) -> list[str]:
+    start, end = sum(s["rss_start_mb"].values()), sum(s["rss_end_mb"].values())
+    rps = [m["throughput_rps"] for m in s["minutes"]]
+    errs = sum(m["errors"] + m["lost"] for m in s["minutes"])
+    lines = [
+        f"Soak: {s['seconds']:.0f} s at 16 clients on `{s['ingress']}`: {min(rps)}-{max(rps)} req/s per minute, errors + lost {errs}; "
+        f"memory of every server process {start:.0f} MB at the start, {end:.0f} MB at the end ({(end - start) / start:+.1%}; target < +10%).",
+        "",
+        "| process | start (MB) | end (MB) |",
+        "|---|---:|---:|",
+    ]
+    for name, mb in sorted(s["rss_start_mb"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {name} | {mb} | {s['rss_end_mb'].get(name, 'gone')} |")
+    return lines
+
+
+def markdown(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    lines = [
+        f"Command: `{r['command']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores (server, clients and Ray share them); {m['python']}, onnxruntime {m['onnxruntime']}; "
+        f"{m['date']}. Task `{r['task']}` of `{r['artifact']}` on {r['device']}, {r['replicas']} replica(s), one real sentence per "
+        f"request, {r['seconds']:.0f} s per row, keep-alive closed-loop clients.",
+        "",
+        *_comparison(r),
+        "",
+        "| in-process batch | median batch (ms) | texts/s |",
+        "|---:|---:|---:|",
+        *[f"| {b} | {v['median_batch_ms']} | {v['texts_per_s']} |" for b, v in r["in_process"].items()],
+    ]
+    for name, v in r["ingress"].items():
+        lines += [
+            "",
+            f"`{name}`:",
+            "",
+            "| clients | requests | errors | lost | req/s | p50 (ms) | p95 (ms) | p99 (ms) | mean batch |",
+        ]
+        lines += ["|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *[_row(x) for x in v["rows"]]]
+    lines += ["", *_targets(r, next(iter(r["ingress"])))]
+    if "soak" in r:
+        lines += ["", *_soak(r["soak"])]
+    return "\n".join(lines)
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, v in r["ingress"].items():
+        xs = [x["clients"] for x in v["rows"]]
+        a.plot(xs, [x["p50_ms"] for x in v["rows"]], "o-", label=f"{name} p50")
+        b.plot(xs, [x["throughput_rps"] for x in v["rows"]], "o-", label=name)
+    a.axhline(r["echo"][0]["p50_ms"], color="gray", linestyle=":", label="echo app p50, 1 client")
+    a.axhline(r["in_process"]["1"]["median_batch_ms"], color="black", linestyle="--", label="model in-process, batch 1")
+    a.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (ms)", title="HTTP latency (p50)")
+    best = max(v["texts_per_s"] for v in r["in_process"].values())
+    b.axhline(best, linestyle="--", color="black", label="best in-process texts/s")
+    b.axhline(0.8 * best, linestyle=":", color="gray", label="80% of it")
+    b.set(xscale="log", xlabel="concurrent clients", ylabel="requests (texts) per second", title="Throughput")
+    for ax in (a, b):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,75 @@
+"""How HTTP reaches the replicas: the Ray Serve settings of each ingress, as environment variables that Ray's
+processes read once, when they start — so they are set before fusionserve starts Ray (a cluster joined through
+``RAY_ADDRESS`` must have been started with them; see the README's serving section).
+
+- ``haproxy`` (default): HAProxy listens on the server's port and hands each connection to a replica's own HTTP
+  port (Ray 2.60's direct ingress: uvicorn inside the replica); Serve's throughput settings run the replica's code
+  on its main event loop. Measured here against the others (``benchmarks/load.py``): see the README.
+- ``proxy``: Serve's proxy actor on the port, which forwards every request to a replica over a Ray call (Serve's
+  default; no HAProxy needed).
+
+The ``-throughput`` / ``-default`` variants exist for the benchmark's comparison: HAProxy with Serve's default
+threading, and the proxy with the throughput settings.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from fusionserve.errors import FusionServeError
+
+INGRESSES = ("haproxy", "proxy")  # what `fusionserve serve --ingress` offers; the first is the default
+VARIANTS = {
+    "haproxy": ("haproxy", True),
+    "proxy": ("proxy", False),
+    "haproxy-default": ("haproxy", False),
+    "proxy-throughput": ("proxy", True),
+}
+# Serve's throughput settings without the parts that change the ingress itself (direct ingress) or what handles
+# use to call other deployments (gRPC; we call none): the replica's code and the router run on its main event
+# loop, request logs are buffered and not echoed to stderr.
+_THROUGHPUT = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
+    """The environment variables of ``ingress`` (one of INGRESSES, or a benchmark variant). For HAProxy, its
+    config, admin socket and state files go to a private folder (default: a new temporary one), and its stats and
+    Prometheus ports to free ones, so that two servers on one machine never share them.
+
+    Raises FusionServeError for an unknown ingress."""
+    if ingress not in VARIANTS:
+        raise FusionServeError(f"--ingress '{ingress}' is not known; allowed: {', '.join(INGRESSES)}")
+    kind, throughput = VARIANTS[ingress]
+    env = dict(_THROUGHPUT) if throughput else {}
+    if kind == "haproxy":
+        folder = workdir or Path(tempfile.mkdtemp(prefix="fs-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        env |= {
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "a.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_NBTHREAD": str(min(4, max(1, len(os.sched_getaffinity(0))))),
+            # a stopping replica stays open this long so HAProxy can take it out of rotation (HAProxy also retries
+            # refused connections on another replica); Serve's 30 s made every Ctrl-C wait half a minute
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+        }
+    return env

@@ -1,0 +1,147 @@
+"""The replica's continuous batching (serving/batching.py), without Ray or HTTP: a real ONNX Runtime session on the
+tiny model. Batches leave as soon as the model is free (no timer), the next one forms while one runs, a request
+larger than a batch is split over several and answers exactly what its texts answer alone, the token budget and
+the count cap hold, and a full queue refuses at once."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from fusionserve.errors import FusionServeError
+from fusionserve.serving.batching import BatchLimits, BatchStats, Overloaded, Scheduler
+from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.runtime import OnnxRunner
+from tests.adapterhub_models import PAIRS, SENTENCES
+
+TEXTS = [TextInput(s) for s in SENTENCES] + [TextInput(a, b) for a, b in PAIRS]
+
+
+class Gate:
+    """Holds the model thread inside its next run until ``open``: lets a test queue requests while a batch runs."""
+
+    def __init__(self, runner: OnnxRunner) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.release.set()
+        real = runner.run
+
+        def run(*args, **kwargs):
+            self.entered.set()
+            self.release.wait(30)
+            return real(*args, **kwargs)
+
+        runner.run = run  # instrumentation only: the real session still computes every batch
+
+    def close(self) -> None:
+        self.entered.clear()
+        self.release.clear()
+
+
+@pytest.fixture
+def runner(artifacts) -> OnnxRunner:
+    return OnnxRunner(artifacts.fp32, threads=1, device="cpu")
+
+
+def _solo(runner: OnnxRunner, task: str, inputs: list[TextInput]) -> np.ndarray:
+    return np.concatenate([runner.logits(task, [x])[0] for x in inputs])
+
+
+def test_one_request_at_an_idle_server_runs_alone_and_at_once(runner):
+    batches: list[BatchStats] = []
+    sched = Scheduler(runner, BatchLimits(max_batch_size=8), batches.append)
+    result = asyncio.run(sched.submit("rte", TEXTS[:2]))
+    assert [b.inputs for b in batches] == [2] and result.batches == 1
+    np.testing.assert_allclose(result.logits, _solo(runner, "rte", TEXTS[:2]), atol=1e-5)
+
+
+def test_the_next_batch_forms_while_one_runs(runner):
+    batches: list[BatchStats] = []
+    sched = Scheduler(runner, BatchLimits(max_batch_size=8), batches.append)
+    gate = Gate(runner)
+
+    async def scenario():
+        gate.close()
+        first = asyncio.ensure_future(sched.submit("nli", TEXTS[:1]))
+        while not gate.entered.is_set():  # the first batch is in the model
+            await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(sched.submit("nli", [x])) for x in TEXTS[1:6]]
+        while sched.queued_rows < 5:  # all five tokenized and queued behind the running batch
+            await asyncio.sleep(0.01)
+        gate.release.set()
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = asyncio.run(scenario())
+    assert [b.inputs for b in batches] == [1, 5]  # the five waited for the model, not for a timer, and went together
+    assert [b.requests for b in batches] == [1, 5]
+    got = np.concatenate([first.logits, *[r.logits for r in rest]])
+    np.testing.assert_allclose(got, _solo(runner, "nli", TEXTS[:6]), atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 9, 13])
+def test_a_request_larger_than_a_batch_is_split_and_answers_as_alone(runner, n):
+    batches: list[BatchStats] = []
+    sched = Scheduler(runner, BatchLimits(max_batch_size=4), batches.append)
+    inputs = [TEXTS[i % len(TEXTS)] for i in range(n)]
+    result = asyncio.run(sched.submit("custom", inputs))
+    assert [b.inputs for b in batches] == [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    assert result.batches == len(batches) and result.logits.shape[0] == n
+    np.testing.assert_allclose(result.logits, _solo(runner, "custom", inputs), atol=1e-5)
+
+
+def test_fusion_activations_come_back_per_input(runner):
+    sched = Scheduler(runner, BatchLimits(max_batch_size=2))
+    result = asyncio.run(sched.submit("rte", TEXTS[:3]))
+    enc = runner.encoder.encode(TEXTS[:3])
+    ref = runner.run("rte", enc, return_fusion_activations=True).fusion_activations  # (batch, layers, seq, adapters)
+    mask = enc.attention_mask[:, None, :, None]
+    np.testing.assert_allclose(result.activations, (ref * mask).sum(2) / mask.sum(2), atol=1e-5)
+
+
+def test_the_token_budget_caps_a_batch(runner):
+    batches: list[BatchStats] = []
+    longest = max(t.length for t in runner.encoder.tokens(TEXTS))
+    budget = 3 * longest  # at most 3 rows of the longest text
+    sched = Scheduler(
+        runner, BatchLimits(max_batch_size=64, max_batch_tokens=max(budget, runner.artifact.max_seq_len)), batches.append
+    )
+    asyncio.run(sched.submit("flat", TEXTS * 2))
+    assert sum(b.inputs for b in batches) == len(TEXTS) * 2
+    assert all(b.tokens <= max(budget, runner.artifact.max_seq_len) for b in batches)
+    assert len(batches) > 1
+
+
+def test_a_full_queue_refuses_at_once_and_the_rest_are_served(runner):
+    sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=3))
+    gate = Gate(runner)
+
+    async def scenario():
+        gate.close()
+        running = asyncio.ensure_future(sched.submit("rte", TEXTS[:1]))
+        while not gate.entered.is_set():
+            await asyncio.sleep(0.01)
+        waiting = [asyncio.ensure_future(sched.submit("rte", [x])) for x in TEXTS[1:4]]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="the limit is 3"):
+            await sched.submit("rte", TEXTS[4:5])
+        gate.release.set()
+        return await running, await asyncio.gather(*waiting)
+
+    first, rest = asyncio.run(scenario())
+    assert first.logits.shape == (1, 3) and [r.logits.shape[0] for r in rest] == [1, 1, 1]
+
+
+def test_a_failing_batch_fails_its_requests_and_the_next_are_served(runner):
+    sched = Scheduler(runner, BatchLimits(max_batch_size=4))
+
+    async def scenario():
+        with pytest.raises(FusionServeError, match="unknown task"):
+            await sched.submit("nope", TEXTS[:2])
+        return await sched.submit("rte", TEXTS[:2])
+
+    assert asyncio.run(scenario()).logits.shape == (2, 3)
+
+
+def test_a_budget_below_one_input_is_refused(runner):
+    with pytest.raises(FusionServeError, match="max_batch_tokens = 8 cannot hold one input"):
+        Scheduler(runner, BatchLimits(max_batch_tokens=8))
