@@ -28,18 +28,34 @@ def add_export(sub: Any) -> None:
     ex.add_argument(
         "--max-seq-len",
         type=int,
-        help="token limit recorded for serving (default: the tokenizer's, at most the model's positions)",
+        help="token limit recorded for serving (default: the spec's max_seq_len, else the tokenizer's, at most the model's positions)",
     )
     ex.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
     ex.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks of the spec (default: all)")
+    ex.add_argument(
+        "--parity-grid",
+        choices=["full", "quick"],
+        default="full",
+        help="full: every task at every (batch, sequence) of the grid; quick: the whole grid for one task of each kind "
+        "and one padded case for every other task (default full)",
+    )
     ex.set_defaults(run=run_export, needs="export")
 
 
 def run_export(args: argparse.Namespace) -> int:
     from fusionserve.export.artifact import export_artifact
 
-    manifest = export_artifact(args.model, args.out, args.precision, args.max_seq_len, args.opset, args.force, tasks=args.tasks)
+    manifest = export_artifact(
+        args.model,
+        args.out,
+        args.precision,
+        args.max_seq_len,
+        args.opset,
+        args.force,
+        tasks=args.tasks,
+        parity_grid=args.parity_grid,
+    )
     print(
         f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "
         f"max |diff| vs PyTorch {manifest['parity']['max_abs_diff']['logits']:.2g}, {manifest['fused_operators']['summary']}"

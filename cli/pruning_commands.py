@@ -56,7 +56,7 @@ def _add_prune(sub: Any) -> None:
     pn.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks (default: every task of the spec)")
     pn.add_argument("--out", required=True, type=Path, help="artifact folder to write")
     pn.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="as for export (default fp32)")
-    pn.add_argument("--max-seq-len", type=int, help="as for export (default: the tokenizer's; the built-in model: 128)")
+    pn.add_argument("--max-seq-len", type=int, help="as for export (default: the spec's max_seq_len, else the tokenizer's)")
     pn.add_argument("--force", action="store_true", help="replace --out if it exists")
     pn.add_argument("--eval", type=Path, metavar="FILE", help="labelled JSONL: print accuracy and latency before and after")
     pn.add_argument("--eval-task", help="task --eval is labelled for (default: the pruned task, when there is one)")
@@ -124,7 +124,7 @@ def run_prune(args: argparse.Namespace) -> int:
     from fusionserve.serving.activations import load_stats
 
     spec = args.spec if args.spec is not None else str(default.DEFAULT_MODEL / default.SPEC_FILE)
-    max_seq_len = args.max_seq_len if args.max_seq_len is not None or args.spec is not None else default.MAX_SEQ_LEN
+    max_seq_len = args.max_seq_len
     rule = PruneRule(args.keep_top, args.min_activation, args.per_layer, tuple(args.drop_layers))
     if args.eval is not None and args.eval_task is None:
         calibrated = list(load_stats(args.stats)["tasks"])

@@ -44,6 +44,9 @@ def add_serve(sub: Any) -> None:
     sv.add_argument("--max-inputs", type=int, default=64, help="most inputs in one request, else 413 (default 64)")
     sv.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body, else 413 (default 1000000)")
     sv.add_argument(
+        "--body-timeout-s", type=float, default=10.0, help="a request body not complete by then is answered 408 (default 10)"
+    )
+    sv.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
         default="auto",
@@ -57,6 +60,9 @@ def add_serve(sub: Any) -> None:
         help="haproxy: HAProxy hands connections straight to the replicas' own HTTP ports; proxy: Serve's proxy actor "
         f"forwards each request over Ray (default {INGRESSES[0]}; see the README for the measured difference)",
     )
+    sv.add_argument(
+        "--replace", action="store_true", help="on a Ray cluster (RAY_ADDRESS) that already runs fusionserve: replace it"
+    )
     sv.set_defaults(run=run_serve, needs="serve")
 
 
@@ -67,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = ServerConfig(
         artifact, args.host, args.port, args.replicas, args.max_batch_size, args.batch_wait_ms,
         args.max_queued, args.max_ongoing, args.max_inputs, args.max_body_bytes, args.threads, args.device,
-        args.max_batch_tokens, args.ingress,
+        args.max_batch_tokens, args.ingress, args.body_timeout_s, args.replace,
     )  # fmt: skip
     serve_forever(cfg)
     return 0

@@ -25,7 +25,7 @@ from .model import FusionBertModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
-from .validate import check_parity, count_cases
+from .validate import GRIDS, check_parity, count_cases
 
 PRECISIONS = ("fp32", "fp16")
 
@@ -110,8 +110,8 @@ def _built(
     tok = load_tokenizer(spec.base_model)
     limit = max_length(tok, model)
     if max_seq_len is None:
-        max_seq_len = limit
-    elif not 8 <= max_seq_len <= model.bert.config.max_position_embeddings:
+        max_seq_len = spec.max_seq_len or limit  # one default: the spec's, else the tokenizer's
+    if not 8 <= max_seq_len <= model.bert.config.max_position_embeddings:
         raise FusionServeError(
             f"--max-seq-len must be between 8 and {model.bert.config.max_position_embeddings} (the model's positions), got {max_seq_len}"
         )
@@ -133,7 +133,7 @@ class _Steps:
 
 
 def _validated_graph(
-    work: Path, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, step: _Steps
+    work: Path, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, step: _Steps, grid: str
 ) -> tuple[Any, FusionReport, Any]:
     """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report).
     Raises ExportError or ParityError."""
@@ -147,9 +147,9 @@ def _validated_graph(
     if report.missing:
         print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
     session = make_session(work / MODEL_FILE, device="cpu")
-    cases = count_cases(model, max_seq_len)
+    cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
-        parity = check_parity(session, model, precision, max_seq_len, progress=bar.update)
+        parity = check_parity(session, model, precision, max_seq_len, progress=bar.update, grid=grid)
     step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
     return session, report, parity
 
@@ -165,14 +165,18 @@ def export_artifact(
     tasks: Sequence[str] | None = None,
     dropped: Dropped | None = None,
     pruning: dict[str, Any] | None = None,
+    parity_grid: str = "full",
 ) -> dict[str, Any]:
     """Export a spec to an artifact folder and return its manifest. ``tasks`` serves only those tasks of the spec;
-    ``dropped`` prunes fusions (see ``build.build_model``) and ``pruning`` is recorded in the manifest with it.
+    ``dropped`` prunes fusions (see ``build.build_model``) and ``pruning`` is recorded in the manifest with it;
+    ``parity_grid`` is how much of the shape grid each task is checked on (see ``validate.GRIDS``).
 
     Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
     Runtime disagrees with PyTorch beyond the tolerance) or FusionServeError (bad options, existing folder)."""
     out = Path(out).resolve()
     _check_options(precision, opset, out, force)
+    if parity_grid not in GRIDS:
+        raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     step = _Steps(progress)
     spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len)
     step("model built")
@@ -181,7 +185,7 @@ def export_artifact(
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
-        session, report, parity = _validated_graph(work, model, precision, opset, max_seq_len, step)
+        session, report, parity = _validated_graph(work, model, precision, opset, max_seq_len, step, parity_grid)
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():
             tok.backend_tokenizer.save(str(work / TOKENIZER_FILE))

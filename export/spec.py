@@ -4,6 +4,7 @@ YAML or JSON with the same keys; every path is relative to the spec file's folde
 
     base_model: base                       # or pkg:<python package>/<folder>: a folder inside an installed package
     adapters: {alpha: adapters/alpha, beta: adapters/beta}
+    max_seq_len: 128                       # optional: the token limit an export uses by default (else the tokenizer's)
     tasks:
       rte:        {fusion: fusions/rte, head: heads/rte}     # AdapterFusion over adapters + head
       alpha_only: {adapter: alpha, head: heads/alpha_only}  # one adapter + head
@@ -25,7 +26,7 @@ from fusionserve.errors import SpecError
 
 TaskKind = Literal["fusion", "adapter", "head"]
 
-_TOP_KEYS = {"base_model", "adapters", "tasks"}
+_TOP_KEYS = {"base_model", "adapters", "tasks", "max_seq_len"}
 _TASK_KEYS = {"fusion", "adapter", "head"}
 PACKAGE_PREFIX = "pkg:"
 # How to install a package a spec may name; the default is `pip install <name with hyphens>`.
@@ -63,6 +64,7 @@ class ModelSpec:
     base_model: Path
     adapters: dict[str, Path]
     tasks: dict[str, TaskSpec] = field(default_factory=dict)
+    max_seq_len: int | None = None  # the token limit to export with when none is asked for (else the tokenizer's)
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -184,4 +186,7 @@ def load_spec(path: str | Path) -> ModelSpec:
             fusion=_folder(root, body["fusion"], f"tasks.{name}.fusion", spec_path) if "fusion" in body else None,
             adapter=adapter,
         )
-    return ModelSpec(path=spec_path, base_model=base, adapters=adapters, tasks=tasks)
+    max_seq_len = data.get("max_seq_len")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 8):
+        raise SpecError(f"{spec_path}: max_seq_len = {max_seq_len!r} must be a whole number of tokens, at least 8")
+    return ModelSpec(path=spec_path, base_model=base, adapters=adapters, tasks=tasks, max_seq_len=max_seq_len)

@@ -23,6 +23,10 @@ TOLERANCES: dict[str, dict[str, float | None]] = {
 }
 BATCH_SIZES = (1, 3, 8)
 SEQ_LENS = (5, 37, 128)
+GRIDS = ("full", "quick")
+# quick: the whole grid for one task of each kind (fusion, adapter, head), one padded case for every other task;
+# every task's folded weights still run, and each kind's code path sees every shape
+QUICK_CASE = (3, 37)
 
 
 class ParityError(FusionServeError):
@@ -36,6 +40,7 @@ class ParityReport:
     max_abs_diff: dict[str, float] = field(default_factory=dict)  # output -> worst over everything
     worst: dict[str, str] = field(default_factory=dict)  # output -> where it happened
     cases: int = 0
+    grid: str = "full"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -44,7 +49,7 @@ class ParityReport:
             "max_abs_diff": self.max_abs_diff,
             "worst_case": self.worst,
             "cases": self.cases,
-            "grid": {"batch_sizes": list(BATCH_SIZES), "sequence_lengths": list(SEQ_LENS), "padded": True},
+            "grid": {"kind": self.grid, "batch_sizes": list(BATCH_SIZES), "sequence_lengths": list(SEQ_LENS), "padded": True},
             "reference": "fusionserve PyTorch model (fp32), itself checked against AdapterHub in the test suite",
         }
 
@@ -65,22 +70,38 @@ def grid_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[tuple[
     return cases
 
 
+def _plan(model: FusionBertModel, max_seq_len: int, grid: str) -> list[tuple[str, list[tuple[int, int, dict[str, np.ndarray]]]]]:
+    """(task, its cases) for ``grid``; raises FusionServeError for an unknown grid."""
+    if grid not in GRIDS:
+        raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{grid}'")
+    cases = grid_inputs(model.bert.config.vocab_size, max_seq_len)
+    if grid == "full":
+        return [(task, cases) for task in model.task_index]
+    first_of_kind: dict[str, str] = {}
+    for task, info in model.infos.items():
+        first_of_kind.setdefault(info.kind, task)
+    batch, seq = QUICK_CASE[0], min(QUICK_CASE[1], max_seq_len)
+    one = [c for c in cases if c[0] == batch and c[1] == seq] or cases[:1]
+    return [(task, cases if task in first_of_kind.values() else one) for task in model.task_index]
+
+
 def check_parity(
     session: object,
     model: FusionBertModel,
     precision: str,
     max_seq_len: int,
     progress: Callable[[int], None] | None = None,
+    grid: str = "full",
 ) -> ParityReport:
-    """Compare ``session`` (an onnxruntime.InferenceSession) with ``model`` for every task over the grid.
+    """Compare ``session`` (an onnxruntime.InferenceSession) with ``model`` for every task over ``grid``.
 
     Raises ParityError listing each output's max diff when any exceeds the tolerance for ``precision``."""
     tol = TOLERANCES[precision]
-    report = ParityReport(precision, tol, {k: 0.0 for k in tol})
-    cases = grid_inputs(model.bert.config.vocab_size, max_seq_len)
+    report = ParityReport(precision, tol, {k: 0.0 for k in tol}, grid=grid)
     # a graph with one task and no adapter never reads task_id, and the exporter drops unused inputs
     wanted = {i.name for i in session.get_inputs()}  # type: ignore[attr-defined]
-    for task, index in model.task_index.items():
+    for task, cases in _plan(model, max_seq_len, grid):
+        index = model.task_index[task]
         info = model.infos[task]
         task_id = np.array([index], dtype=np.int64)
         for batch, seq, feeds in cases:
@@ -115,5 +136,5 @@ def check_parity(
     return report
 
 
-def count_cases(model: FusionBertModel, max_seq_len: int) -> int:
-    return len(model.task_index) * len(BATCH_SIZES) * len([s for s in SEQ_LENS if s <= max_seq_len])
+def count_cases(model: FusionBertModel, max_seq_len: int, grid: str = "full") -> int:
+    return sum(len(cases) for _, cases in _plan(model, max_seq_len, grid))

@@ -42,6 +42,8 @@ class Progress:
     errors_bytes: int = 0
     parts: int = 0  # Parquet
     complete: bool = False
+    final_bytes: int = 0  # the finished output's size and sha256, to tell a later cut or edit
+    final_sha256: str = ""
     input: str = ""
     model: str = ""
     format: str = field(default=PROGRESS_FORMAT)

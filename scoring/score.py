@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
 from fusionserve.serving.artifact import MANIFEST, Artifact, is_artifact, load_artifact, sha256
@@ -29,7 +30,7 @@ from fusionserve.serving.runtime import OnnxRunner
 
 from .config import ScoreConfig
 from .core import Added, score_records
-from .progress import prepare, side_files
+from .progress import Progress, prepare, side_files
 from .readers import Source, format_of, open_source, parse, raw_rows
 from .sink import Sink
 
@@ -115,6 +116,35 @@ def _check_columns(cfg: ScoreConfig, source: Source, added: Added) -> None:
         )
 
 
+def _rows_in(path: Path, fmt: str) -> int:
+    """Rows an output holds now (JSON lines, CSV data rows, Parquet rows)."""
+    if fmt == "parquet":
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    with path.open("rb") as fh:
+        return sum(1 for _ in raw_rows(fmt, fh, path))
+
+
+def _check_finished(out: Path, fmt: str, state: Progress) -> None:
+    """A finished run's output must still be what it wrote: "already complete" over a cut or edited file would
+    claim rows it no longer holds. Raises InputError saying what differs and how to start over."""
+    if not state.final_sha256:  # a progress file from before these were recorded: nothing to compare with
+        return
+    if not out.is_file():
+        now = "is gone"
+    elif out.stat().st_size == state.final_bytes and sha256(out) == state.final_sha256:
+        return
+    else:
+        try:
+            rows = f"{_rows_in(out, fmt)} rows"
+        except (InputError, OSError, pa.ArrowException):
+            rows = "rows that cannot be read"
+        now = f"holds {out.stat().st_size} bytes and {rows}"
+    raise InputError(
+        f"{out} was finished by an earlier run with {state.scored} scored rows in {state.final_bytes} bytes, but it {now}: "
+        "it was cut or changed since; pass --overwrite to score the input again"
+    )
+
+
 def _open_model(model: Path) -> Artifact:
     if not is_artifact(model):
         raise InputError(
@@ -147,6 +177,7 @@ def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
     resumed_from, started = state.rows_done, time.perf_counter()
     errors_path = side_files(cfg.output_path)[0]
     if state.complete:
+        _check_finished(cfg.output_path, out_fmt, state)
         return ScoreSummary(cfg.output_path, errors_path if state.failed else None, state.rows_done, state.scored,
                             state.failed, state.truncated, resumed_from, 0.0, True)  # fmt: skip
     if cfg.uses_ray and state.rows_done:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import pyarrow as pa
 
 from fusionserve.errors import InputError
+from fusionserve.serving.artifact import sha256
 
 from .config import ScoreConfig
 from .core import Added, Scored
@@ -94,6 +95,7 @@ class Sink:
         if isinstance(self.writer, ParquetWriter):
             self.writer.finish(self.output)
         self.state.complete = True
+        self.state.final_bytes, self.state.final_sha256 = self.output.stat().st_size, sha256(self.output)
         self.state.save(self.progress_path)
         if isinstance(self.writer, ParquetWriter):
             self.writer.cleanup()

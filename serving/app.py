@@ -7,15 +7,21 @@ request over the limits (or a text over the token limit in strict mode), 503 at 
 full. Batching is ``batching.Scheduler``'s: no timer at low load, a token budget under load.
 """
 
+import asyncio
+import logging
 import os
 import time
+import uuid
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
 from pydantic import ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusionserve import __version__
 
@@ -24,15 +30,51 @@ from .batching import BatchLimits, BatchStats, JobResult, Overloaded, Scheduler
 from .metrics import Metrics
 from .predictions import TextInput, label_scores
 from .runtime import OnnxRunner
-from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, describe_validation_error
+from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, describe_json_error, describe_validation_error
 
 app = FastAPI(
     title="fusionserve",
     version=__version__,
     description="AdapterFusion classification over one ONNX graph. Every task of the artifact behind one endpoint.",
+    docs_url=None,  # served below from the package's own Swagger UI files: the default loads them from a CDN
+    redoc_url=None,
 )
 _JSON = "application/json"
 _READY_EVERY_S = 5.0
+_HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
+_DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
+log = logging.getLogger("fusionserve.serving")
+
+
+def _error(status: int, reason: str, message: str) -> Response:
+    # after a body that never completed, the connection is out of step: close it rather than keep it alive
+    headers = {"connection": "close"} if status == 408 else None
+    return _json({"error": {"type": reason, "message": message}}, status, headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown paths and methods get the same error shape as everything else."""
+    return _error(
+        exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"), f"{request.method} {request.url.path}: {exc.detail}"
+    )
+
+
+@app.exception_handler(RequestValidationError)
+async def _request_invalid(request: Request, exc: RequestValidationError) -> Response:
+    return _error(422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """The boundary's catch-all: an error of ours is a JSON 500 with an id that is also in the server log."""
+    return _error(500, "internal", _log_unexpected(f"{request.method} {request.url.path}", exc))
+
+
+def _log_unexpected(where: str, exc: BaseException) -> str:
+    error_id = uuid.uuid4().hex[:12]
+    log.error("unexpected error %s in %s", error_id, where, exc_info=exc)
+    return f"unexpected server error (id {error_id}, also in the server log); the request was not processed"
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -120,7 +162,10 @@ class FusionServe:
         except HTTPError as err:
             self.stats.observe_rejected(err.reason)
             self.stats.observe_request(task, err.status, time.perf_counter() - started)
-            return _json({"error": {"type": err.reason, "message": err.message}}, err.status)
+            return _error(err.status, err.reason, err.message)
+        except Exception as exc:  # a bug or a runtime failure: never a bare 500, always an id to find it in the log
+            self.stats.observe_request(task, 500, time.perf_counter() - started)
+            return _error(500, "internal", _log_unexpected("POST /v1/classify", exc))
 
     @app.get("/v1/tasks")
     async def tasks(self) -> dict[str, Any]:
@@ -151,6 +196,23 @@ class FusionServe:
             self._ready_at = time.monotonic()
         return _json({"status": "ready"})
 
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self) -> Response:
+        """Swagger UI for the API, from files inside the installed package: works offline."""
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json", title="fusionserve API",
+            swagger_js_url="/docs-assets/swagger-ui-bundle.js", swagger_css_url="/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/docs-assets/favicon-32x32.png",
+        )  # fmt: skip
+
+    @app.get("/docs-assets/{name}", include_in_schema=False)
+    async def docs_asset(self, name: str) -> Response:
+        if name not in _DOCS_ASSETS:
+            return _error(404, "not_found", f"GET /docs-assets/{name}: no such file")
+        from swagger_ui_bundle import swagger_ui_path
+
+        return Response((swagger_ui_path / name).read_bytes(), media_type=_DOCS_ASSETS[name])
+
     @app.get("/metrics")
     async def metrics(self) -> Response:
         """Prometheus text format (all replicas on this node, see serving/metrics.py)."""
@@ -164,13 +226,24 @@ class FusionServe:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise HTTPError(413, "body_too_large", f"request body of {declared} bytes; the limit is {limit}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, "body_too_large", f"request body over {limit} bytes; the limit is {limit}")
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HTTPError(413, "body_too_large", f"request body over {limit} bytes; the limit is {limit}")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise HTTPError(
+                408,
+                "body_timeout",
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s (Content-Length {declared})",
+            ) from None
 
     def _parse(self, body: bytes) -> ClassifyRequest:
         """The body, parsed and validated in one pass; a body that is not JSON is ``malformed_json``."""
@@ -179,7 +252,7 @@ class FusionServe:
         except ValidationError as exc:
             errors = exc.errors()
             if errors and errors[0]["type"] == "json_invalid":
-                raise HTTPError(422, "malformed_json", f"the body is not valid JSON: {errors[0]['msg']}") from None
+                raise HTTPError(422, "malformed_json", describe_json_error(errors[0]["msg"])) from None
             raise HTTPError(422, "invalid_request", describe_validation_error(exc)) from None
 
     def _task(self, task: str) -> TaskEntry:

@@ -155,13 +155,14 @@ def render_manifest(manifest: dict[str, Any]) -> str:
     for i, stack in enumerate(manifest["adapters_per_layer"]):
         lines.append(f"  L{i}: {', '.join(stack) or '-'}")
     lines.append("tasks")
+    width = max(16, *(len(name) for name in manifest["tasks"]))
     for name, t in manifest["tasks"].items():
         what = {
             "fusion": "fusion over " + ", ".join(t["adapters"]),
             "adapter": f"adapter {', '.join(t['adapters'])}",
             "head": "head only",
         }
-        lines.append(f"  {name:<16} {what.get(t['kind'], t['kind'])}; labels: {', '.join(t['labels'])}")
+        lines.append(f"  {name:<{width}} {what.get(t['kind'], t['kind'])}; labels: {', '.join(t['labels'])}")
     pruning = manifest.get("pruning")
     if pruning:
         lines.append(f"pruned      {pruning['rule']['summary']} (activations: {pruning['stats']['path']})")

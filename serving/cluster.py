@@ -3,6 +3,7 @@ local one. Shared by the server and by ``score --ray``; Ray is imported only her
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -16,8 +17,9 @@ class ClusterError(FusionServeError):
     """Ray did not start, or the cluster could not be joined."""
 
 
-def connect(address: str | None = None) -> bool:
-    """Join Ray or start it; True when this call started it (the caller then shuts it down).
+def connect(address: str | None = None, quiet: bool = False) -> bool:
+    """Join Ray or start it; True when this call started it (the caller then shuts it down). ``quiet``: keep Ray's
+    and Serve's informational lines (and the token-authentication notice) off the terminal; errors still show.
 
     Raises ClusterError with one line saying what failed, instead of Ray's traceback."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline machine
@@ -29,11 +31,14 @@ def connect(address: str | None = None) -> bool:
     if target is not None:
         _probe(target)
     try:
-        ray.init(address=target, include_dashboard=False, log_to_driver=False)
+        level = logging.ERROR if quiet else logging.INFO
+        ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level)
     except Exception as exc:  # Ray's start-up raises ConnectionError, RuntimeError, TimeoutError, ValueError, ...
         where = f"join the Ray cluster at {target}" if target else "start a local Ray instance"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason given"
         raise ClusterError(f"could not {where}: {type(exc).__name__}: {reason}") from None
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     return True
 
 

@@ -14,9 +14,13 @@ threading, and the proxy with the throughput settings.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from fusionserve.errors import FusionServeError
@@ -71,5 +75,76 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
             # a stopping replica stays open this long so HAProxy can take it out of rotation (HAProxy also retries
             # refused connections on another replica); Serve's 30 s made every Ctrl-C wait half a minute
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+            # a client silent this long loses its connection (Serve's default, an hour, lets a client that never
+            # finishes its body, answered 408 by the replica, hold an HAProxy connection that long)
+            "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
         }
     return env
+
+
+def reap(folder: Path) -> list[int]:
+    """Stop every process still running from ``folder`` (HAProxy outlives Ray's shutdown: it is Serve's child, not
+    Ray's). Reads /proc; elsewhere it finds nothing. Returns the pids it stopped."""
+    mine = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(folder) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                mine.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    for pid in mine:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    while mine and time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in mine):
+        time.sleep(0.05)
+    for pid in mine:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return mine
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """Who listens on ``port`` (any address), as "pid N (command)", or None when nobody does. Tries to bind it the
+    way a server would (address reuse on, port reuse off), so a lingering closed connection is not a holder."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return None
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return None  # not ours to judge (e.g. an address this machine does not have): let the server say
+    return _listener(port) or "another process (not visible from here)"
+
+
+def _listener(port: int) -> str | None:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    for proc in Path("/proc").glob("[0-9]*"):
+        if wanted and wanted & _links(proc / "fd"):
+            command = " ".join((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split())
+            return f"pid {proc.name} ({command[:120]})"
+    return None
+
+
+def _links(folder: Path) -> set[str]:
+    out: set[str] = set()
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # gone, or not ours to read
+        return out
+    for entry in entries:
+        with contextlib.suppress(OSError):  # closed in between
+            out.add(os.readlink(entry))
+    return out

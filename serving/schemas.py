@@ -1,9 +1,10 @@
 """The HTTP request and response bodies (pydantic), and how a validation failure is told to the caller."""
 
+import re
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError
 
 Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=r"\S")]
 
@@ -18,10 +19,10 @@ class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task: str = Field(description="a task of the served artifact (GET /v1/tasks)")
     inputs: list[Text | PairInput] = Field(min_length=1, description="plain texts and/or {text, text_pair} objects")
-    return_fusion_activations: bool = Field(
+    return_fusion_activations: StrictBool = Field(
         False, description="add per input the fusion weights per layer and adapter, averaged over its tokens"
     )
-    strict: bool = Field(False, description="refuse (413) an input over the token limit instead of truncating it")
+    strict: StrictBool = Field(False, description="refuse (413) an input over the token limit instead of truncating it")
 
 
 class Prediction(BaseModel):
@@ -46,6 +47,7 @@ class ClassifyResponse(BaseModel):
 class Limits:
     max_inputs: int = 64
     max_body_bytes: int = 1_000_000
+    body_timeout_s: float = 10.0  # a body not complete by then is answered 408 and its connection freed
 
 
 class HTTPError(Exception):
@@ -71,3 +73,20 @@ def describe_validation_error(exc: ValidationError) -> str:
             where = ".".join(str(p) for p in loc) or "body"
             problems.setdefault(where, f"{where}: {e['msg'].lower()}")
     return "; ".join(list(problems.values())[:5])
+
+
+_POSITION = re.compile(r"line (\d+) column (\d+)")
+
+
+def describe_json_error(msg: str) -> str:
+    """What is wrong with a body that is not JSON, from the parser's message; a lone UTF-16 surrogate escape (half of
+    a pair, which is not a character) is named as such instead of the parser's "hex escape" wording."""
+    detail = msg.removeprefix("Invalid JSON: ")
+    if "surrogate" in detail or "hex escape" in detail:
+        where = _POSITION.search(detail)
+        at = f" at line {where.group(1)} column {where.group(2)}" if where else ""
+        return (
+            f"the body is not valid JSON: a \\uXXXX escape{at} is a lone UTF-16 surrogate (half of a pair, not a character); "
+            "send the text as UTF-8, or a character outside the Basic Multilingual Plane as a full pair such as \\ud83d\\ude00"
+        )
+    return f"the body is not valid JSON: {detail}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -10,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,10 @@ from fusionserve.errors import FusionServeError
 from .artifact import load_artifact
 from .batching import BatchLimits
 from .cluster import connect
-from .ingress import INGRESSES, VARIANTS, ingress_env
+from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap
 from .runtime import DEVICES, DeviceError, resolve_device
 
+APP_NAME = "fusionserve"
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
 _ingress_dir: str | None = None  # HAProxy's config, socket and state files
 
@@ -44,6 +48,8 @@ class ServerConfig:
     device: str = "auto"  # auto | cpu | cuda: see serving/runtime.py
     max_batch_tokens: int = 16384
     ingress: str = INGRESSES[0]  # see serving/ingress.py
+    body_timeout_s: float = 10.0
+    replace: bool = False  # on a cluster that already runs fusionserve: replace it instead of refusing
 
     def __post_init__(self) -> None:
         checks = {
@@ -55,6 +61,7 @@ class ServerConfig:
             "--max-inputs": (self.max_inputs, self.max_inputs >= 1, ">= 1"),
             "--max-body-bytes": (self.max_body_bytes, self.max_body_bytes >= 1024, ">= 1024"),
             "--max-batch-tokens": (self.max_batch_tokens, self.max_batch_tokens >= 8, ">= 8"),
+            "--body-timeout-s": (self.body_timeout_s, 0 < self.body_timeout_s <= 3600, "0..3600"),
         }
         for name, (value, ok, allowed) in checks.items():
             if not ok:
@@ -120,30 +127,55 @@ def build_app(cfg: ServerConfig, metrics_dir: str | None = None, gpus: float = 0
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         options = actor_options(cfg.threads_per_replica, gpus_per_replica) | {"runtime_env": {"env_vars": env}}
         dep = dep.options(ray_actor_options=options)
-    limits = Limits(cfg.max_inputs, cfg.max_body_bytes)
+    limits = Limits(cfg.max_inputs, cfg.max_body_bytes, cfg.body_timeout_s)
     return dep.bind(str(cfg.artifact.resolve()), limits, cfg.batch_limits(), cfg.threads_per_replica, device)
 
 
-def start(cfg: ServerConfig) -> str:
-    """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port, and deploy; returns the base URL."""
+def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> str:
+    """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port, and deploy; returns the base URL. ``say``
+    gets one line per step. Raises FusionServeError (port taken, an application already deployed on the cluster
+    without ``cfg.replace``, an unusable artifact or device) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir
-    # a missing artifact or CUDA provider fails before Ray starts; how many GPUs there are, Ray tells
+    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+    # a missing artifact or CUDA provider, or a taken port, fails before Ray starts; how many GPUs there are, Ray tells
     load_artifact(cfg.artifact, verify=False)
     resolve_device(cfg.device)
+    holder = port_holder(cfg.host, cfg.port)
+    if holder is not None:
+        raise FusionServeError(f"port {cfg.port} on {cfg.host} is already in use by {holder}; stop it or choose another --port")
     # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
     _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
-    connect()
+    address = os.environ.get("RAY_ADDRESS")
+    say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
+    connect(quiet=True)
     import ray
     from ray import serve
 
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # importing Serve set it to INFO
+    _refuse_to_replace(serve, cfg.replace)
     _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
     app = build_app(cfg, _metrics_dir, float(ray.cluster_resources().get("GPU", 0.0)))
+    say(f"deploying {cfg.replicas} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(app, name="fusionserve", route_prefix="/")
+    serve.run(app, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
     _wait_routed(url)
     return url
+
+
+def _refuse_to_replace(serve: Any, replace: bool) -> None:
+    """On a cluster that already runs fusionserve, deploying would silently replace it: refuse unless asked."""
+    try:
+        running = serve.status().applications
+    except Exception:  # no Serve on this cluster yet: nothing to replace
+        return
+    if APP_NAME in running and not replace:
+        raise FusionServeError(
+            f"the Ray cluster at {os.environ.get('RAY_ADDRESS', 'this address')} already runs a '{APP_NAME}' application "
+            f"({running[APP_NAME].status}); pass --replace to replace it, or serve on another cluster"
+        )
 
 
 def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
@@ -167,27 +199,50 @@ def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
 
 
 def stop() -> None:
+    """Take the application down (its replicas drain what they hold), leave Ray (shutting it down when this process
+    started it; a joined cluster keeps running), and remove what this server left: HAProxy, which outlives Ray's
+    shutdown, and the metric and ingress folders. Deleting the one application instead of shutting Serve down
+    leaves another team's applications on a shared cluster alone (and spares the controller's own shutdown task,
+    whose retry notice reads like a failure)."""
     import ray
     from ray import serve
 
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-        for folder in (_metrics_dir, _ingress_dir):
-            if folder:
-                shutil.rmtree(folder, ignore_errors=True)
+    if ray.is_initialized():
+        try:
+            serve.delete(APP_NAME)
+        except Exception as exc:  # Serve never came up, or is gone already: Ray still has to go
+            print(f"fusionserve: could not delete the application: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            ray.shutdown()
+    if _ingress_dir:
+        reap(Path(_ingress_dir))
+    for folder in (_metrics_dir, _ingress_dir):
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def serve_forever(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down."""
+    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. Our handlers go in after Ray started: Ray's own
+    SIGTERM handler prints a crash-style report. Raises what ``start`` raises, after cleaning up."""
+
+    def say(text: str) -> None:
+        print(f"fusionserve: {text}", file=sys.stderr, flush=True)
+
+    try:
+        url = start(cfg, say)
+    except KeyboardInterrupt:
+        say("interrupted while starting; shutting down")
+        stop()
+        return
+    except BaseException:
+        stop()
+        raise
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    url = start(cfg)
-    print(f"fusionserve: serving {cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops", file=sys.stderr, flush=True)
+    say(f"serving {cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops")
     try:
         done.wait()
     finally:
-        print("fusionserve: shutting down", file=sys.stderr, flush=True)
+        say("shutting down")
         stop()

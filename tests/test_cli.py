@@ -82,3 +82,17 @@ def test_inspect_text_and_json(built_st, capsys):
     assert info["tasks"]["beta_only"]["labels"] == ["x", "y", "z"]
     p = info["parameters"]
     assert p["backbone"] > 0 and p["adapters"] == sum(a["parameters"] for a in info["adapters"].values())
+
+
+def test_inspect_aligns_long_task_names(exported):
+    import copy
+
+    from fusionserve.serving.artifact import load_artifact, render_manifest
+
+    manifest = copy.deepcopy(load_artifact(exported.folder).manifest)
+    long = "a_task_name_longer_than_sixteen_characters"
+    manifest["tasks"][long] = manifest["tasks"].pop(next(iter(manifest["tasks"])))
+    lines = render_manifest(manifest).split("tasks\n", 1)[1].split("\n")
+    rows = [line for line in lines if line.startswith("  ") and "labels:" in line]
+    starts = {len(line) - len(line[2:].split(" ", 1)[1].lstrip()) for line in rows}
+    assert len(rows) == len(manifest["tasks"]) and len(starts) == 1, rows

@@ -225,3 +225,23 @@ def test_predict_without_a_model_exports_the_default_then_answers(tmp_path):
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert again.returncode == 0 and json.loads(again.stdout) == json.loads(done.stdout)
     assert "exporting" not in again.stderr  # reused from the cache
+
+
+@pytest.mark.slow
+@needs_base
+def test_first_use_export_is_quick_and_the_full_grid_holds_for_the_built_in_model(tmp_path):
+    """First start runs the quick grid (tests/test_default_model.py's CLI test); the full grid, every task at every
+    shape, is checked here once, as at build time, and both record what they checked."""
+    from fusionserve.cli import default as bootstrap
+    from fusionserve.export.artifact import export_artifact
+    from fusionserve.export.validate import count_cases
+
+    spec = load_spec(DEFAULT_MODEL / SPEC_FILE)
+    assert spec.max_seq_len == 128 and bootstrap.PARITY_GRID == "quick"
+    manifest = export_artifact(DEFAULT_MODEL / SPEC_FILE, tmp_path / "full", progress=False, parity_grid="full")
+    assert manifest["max_seq_len"] == 128  # the spec's limit, with no --max-seq-len: the one default
+    assert manifest["parity"]["grid"]["kind"] == "full" and manifest["parity"]["cases"] == 11 * 9
+    from fusionserve.export.build import build_model
+
+    quick = count_cases(build_model(spec), 128, "quick")
+    assert quick == 3 * 9 + 8  # the whole grid for one task of each kind, one case for each of the other eight

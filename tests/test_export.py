@@ -251,3 +251,26 @@ def test_cli_export_predict_inspect(built_st, tmp_path, capsys):
     code, out, _ = _cli(capsys, "inspect", art, "--json")
     assert code == 0
     assert json.loads(out) == load_artifact(art).manifest
+
+
+def test_quick_grid_checks_each_kind_fully_and_every_task_once(built_st, tmp_path):
+    manifest = export_artifact(built_st.spec, tmp_path / "quick", max_seq_len=64, progress=False, parity_grid="quick")
+    kinds = [t["kind"] for t in manifest["tasks"].values()]
+    shapes = len([s for s in (5, 37, 128) if s <= 64]) * 3
+    assert manifest["parity"]["grid"]["kind"] == "quick"
+    assert manifest["parity"]["cases"] == len(set(kinds)) * shapes + len(kinds) - len(set(kinds))
+    with pytest.raises(FusionServeError, match="--parity-grid must be one of full, quick, got 'none'"):
+        export_artifact(built_st.spec, tmp_path / "none", progress=False, parity_grid="none")
+
+
+def test_the_spec_sets_the_default_token_limit(built_st, tmp_path):
+    import yaml
+
+    data = yaml.safe_load(built_st.spec.read_text())
+    spec = built_st.spec.with_name("model-limit-20.yaml")  # beside the original: its relative paths still hold
+    spec.write_text(yaml.safe_dump({**data, "max_seq_len": 20}))
+    assert export_artifact(spec, tmp_path / "a", progress=False, parity_grid="quick")["max_seq_len"] == 20
+    assert export_artifact(spec, tmp_path / "b", max_seq_len=24, progress=False, parity_grid="quick")["max_seq_len"] == 24
+    spec.write_text(yaml.safe_dump({**data, "max_seq_len": "long"}))
+    with pytest.raises(FusionServeError, match="max_seq_len = 'long' must be a whole number of tokens"):
+        export_artifact(spec, tmp_path / "c", progress=False)

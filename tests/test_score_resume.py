@@ -95,3 +95,23 @@ def test_an_output_of_another_run_is_refused_unless_overwrite(artifact, tmp_path
     with pytest.raises(InputError, match="exists and was not written by `fusionserve score`"):
         score_file(_cfg(artifact, src, other))
     assert other.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+@pytest.mark.parametrize("damage", ["cut", "edited", "deleted"])
+def test_a_finished_output_that_was_cut_or_changed_is_not_called_complete(artifact, tmp_path, fmt, damage):
+    src = _write(tmp_path / f"in.{fmt}", [{"text": t} for t in _texts(12)])
+    dst = tmp_path / f"out.{fmt}"
+    assert score_file(_cfg(artifact, src, dst)).complete
+    data = dst.read_bytes()
+    if damage == "cut":
+        dst.write_bytes(data[: len(data) // 2])
+    elif damage == "edited":
+        dst.write_bytes(data.replace(b"a", b"b", 1) if b"a" in data else data + b"\n")
+    else:
+        dst.unlink()
+    with pytest.raises(
+        InputError, match=r"was finished by an earlier run with 12 scored rows in \d+ bytes, but it .*--overwrite"
+    ):
+        score_file(_cfg(artifact, src, dst))
+    assert score_file(_cfg(artifact, src, dst, overwrite=True)).scored == 12

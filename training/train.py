@@ -197,15 +197,16 @@ class Stages:
             self.model.save_adapter(str(folder / "adapters" / name), name, with_head=False, use_safetensors=True)
         for head in self.model.heads:
             self.model.save_head(str(folder / "heads" / head), head, use_safetensors=True)
-        (folder / "model.yaml").write_text(spec_text(), encoding="utf-8")
+        (folder / "model.yaml").write_text(spec_text(self.recipe.max_seq_len), encoding="utf-8")
 
 
-def spec_text() -> str:
+def spec_text(max_seq_len: int) -> str:
     """The default model's spec: the report's three columns for each target, and each source task's adapter."""
     lines = [
         "# fusionserve's default model: AdapterFusion on all-MiniLM-L6-v2, trained by",
         "# `python -m fusionserve.training.train --out fusionserve/default_model` (see REPORT.md).",
         f"base_model: {BASE_MODEL}",
+        f"max_seq_len: {max_seq_len}  # trained and evaluated on inputs cut at {max_seq_len} tokens",
         "adapters:",
         *(f"  {name}: adapters/{name}" for name in ADAPTERS),
         "tasks:",

@@ -1,0 +1,108 @@
+"""Shared by the end-to-end serving tests: a real `fusionserve serve` on 127.0.0.1 in its own process, HTTP calls to
+it, and the processes it started (to check that stopping it leaves none)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        text = err.read()
+        return err.code, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
+
+
+@dataclass
+class Served:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)}
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
+    except (OSError, IndexError):
+        return "gone"
+
+
+def launch(artifact: Path, log: Path, *args: str) -> Served:
+    """Start `fusionserve serve` and wait (up to 240 s) until it says it is serving."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(port), *args]
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 240
+    while "fusionserve: serving" not in log.read_text():
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server not serving in 240 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return Served(f"http://127.0.0.1:{port}", port, proc, log)
+
+
+def stop(served: Served, sig: int = signal.SIGINT) -> None:
+    if served.proc.poll() is None:
+        served.proc.send_signal(sig)
+        try:
+            served.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+
+
+@contextmanager
+def serving(artifact: Path, log: Path, *args: str) -> Iterator[Served]:
+    served = launch(artifact, log, *args)
+    try:
+        yield served
+    finally:
+        stop(served)

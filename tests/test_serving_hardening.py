@@ -1,0 +1,185 @@
+"""The server against hostile and broken input, and starting and stopping as a user sees it: every bad body is a
+JSON 4xx (never a 500), a body that never completes is a 408, flags are strict, the docs work offline, a taken
+port is refused before anything starts, and SIGTERM stops everything it started."""
+
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fusionserve.export.artifact import export_artifact
+from tests.serving_helpers import alive, call, descendants, launch, stop
+
+pytestmark = pytest.mark.slow
+
+BODY_TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def artifact(built_st, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hardening") / "art"
+    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hardening-log") / "server.log"
+    served = launch(artifact, log, "--body-timeout-s", str(BODY_TIMEOUT_S), "--threads", "1")
+    yield served
+    stop(served)
+
+
+def _raw(port: int, request: bytes, timeout: float = 30) -> bytes:
+    """Send raw bytes on a fresh connection; everything the server answers until it closes or goes quiet."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next(
+                    (int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")), None
+                )
+                if length is not None and len(body) >= length:
+                    break
+        except TimeoutError:
+            pass
+    return data
+
+
+def _post(port: int, body: bytes) -> tuple[int, dict | None]:
+    head = f"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    answer = _raw(port, head.encode() + body)
+    status = int(answer.split(b" ", 2)[1])
+    payload = answer.partition(b"\r\n\r\n")[2]
+    return status, json.loads(payload) if payload.startswith(b"{") else None
+
+
+def test_deep_nesting_and_huge_numbers_are_malformed_json_not_500(server):
+    cases = {
+        "10k deep": b"[" * 10_000 + b"]" * 10_000,
+        "100k deep": b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+        "5000 digits": b'{"task": "rte", "inputs": [' + b"9" * 5000 + b"]}",
+    }
+    for what, body in cases.items():
+        status, answer = _post(server.port, body)
+        assert status == 422 and answer["error"]["type"] == "malformed_json", (what, status, answer)
+        assert ("recursion" if "deep" in what else "number") in answer["error"]["message"], answer
+
+
+def _corpus() -> list[bytes]:
+    good = json.dumps({"task": "rte", "inputs": ["a fine film", {"text": "a cat", "text_pair": "a dog"}]}).encode()
+    fixed = [
+        b"", b"null", b"[]", b"{}", b"1", b'"text"', b"true", b"\x00", b'{"task": "rte", "inputs": ["a\\u0000b"]}',
+        b'{"task": "rte", "inputs": ["a\x00b"]}', b'{"task": "rte", "inputs": ["\xc0\xaf"]}', b"\xef\xbb\xbf" + good,
+        b'{"task": "rte", "inputs": ["\\ud800"]}', b'{"task": "rte", "inputs": ["\\udc00x"]}', b'{"task": "rte", "inputs": ["\\ud83d\\ude00"]}',
+        b'{"task": 5, "inputs": ["a"]}', b'{"task": "rte", "inputs": {"text": "a"}}', b'{"task": "rte", "inputs": [["a"]]}',
+        b'{"task": "rte", "inputs": [{"text": "a", "text_pair": 3}]}', b'{"task": "rte", "inputs": ["a"], "strict": null}',
+        b'{"task": "rte", "inputs": ["' + "\u202e\u0301\U0001f600".encode() * 50 + b'"]}', b'{"task": "rte", "inputs": ["' + b"a" * 3000 + b'"]}',
+        b'{"task": "rte", "inputs": [1e999]}', b'{"task": "rte", "inputs": [-0.0, NaN]}', b'{"task": "' + b"x" * 3000 + b'", "inputs": ["a"]}',
+        b'{"task": "rte", "task": "nli", "inputs": ["a"]}', b'{"task": "rte", "inputs": ["a"]} trailing', good[:-1], good + b"}",
+    ]  # fmt: skip
+    rng = random.Random(0)
+    mutated = []
+    for _ in range(150):
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            op, i = rng.random(), rng.randrange(len(b))
+            if op < 0.4:
+                b[i] = rng.randrange(256)
+            elif op < 0.7:
+                b.insert(i, rng.randrange(256))
+            else:
+                del b[i]
+        mutated.append(bytes(b))
+    return fixed + mutated
+
+
+def test_fuzzed_bodies_never_get_a_500_and_the_server_keeps_serving(server):
+    seen = set()
+    for body in _corpus():
+        status, answer = _post(server.port, body)
+        seen.add(status)
+        assert status in (200, 404, 413, 422), (status, body[:80], answer)
+        if status != 200:
+            assert set(answer) == {"error"} and set(answer["error"]) == {"type", "message"}, answer
+    assert {200, 422} <= seen
+    big = b'{"task": "rte", "inputs": ["' + b"x" * 10_000_000 + b'"]}'  # 10 MB: refused by its Content-Length (limit 1 MB)
+    status, answer = _post(server.port, big)
+    assert status == 413 and answer["error"]["type"] == "body_too_large"
+    assert call(server.url + "/v1/classify", {"task": "rte", "inputs": ["still here"]})[0] == 200
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_and_the_server_goes_on(server):
+    started = time.time()
+    answer = _raw(
+        server.port,
+        b'POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"task": ',
+    )
+    waited = time.time() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"body_timeout"' in answer
+    assert waited < 30  # answered, not held until the client gives up
+    assert call(server.url + "/v1/classify", {"task": "rte", "inputs": ["after a slow client"]})[0] == 200
+
+
+@pytest.mark.parametrize("flag", ["strict", "return_fusion_activations"])
+@pytest.mark.parametrize("value", ["yes", 1, 0, "true", None])
+def test_flags_must_be_true_or_false(server, flag, value):
+    status, answer = call(server.url + "/v1/classify", {"task": "rte", "inputs": ["a"], flag: value})
+    assert status == 422 and answer["error"]["type"] == "invalid_request" and flag in answer["error"]["message"], answer
+
+
+def test_a_lone_surrogate_is_named_as_such(server):
+    status, answer = call(server.url + "/v1/classify", raw=b'{"task": "rte", "inputs": ["\\ud800"]}')
+    assert status == 422 and answer["error"]["type"] == "malformed_json"
+    assert "lone UTF-16 surrogate" in answer["error"]["message"] and "hex escape" not in answer["error"]["message"]
+
+
+def test_unknown_paths_and_methods_get_the_error_shape(server):
+    assert call(server.url + "/v2/classify", {"task": "rte"}) == (
+        404, {"error": {"type": "not_found", "message": "POST /v2/classify: Not Found"}}
+    )  # fmt: skip
+    status, answer = call(server.url + "/v1/classify")
+    assert status == 405 and answer["error"]["type"] == "method_not_allowed"
+
+
+def test_the_docs_load_nothing_from_outside(server):
+    with urllib.request.urlopen(server.url + "/docs", timeout=10) as resp:
+        html = resp.read().decode()
+    assets = [a for a in ("/docs-assets/swagger-ui-bundle.js", "/docs-assets/swagger-ui.css") if a in html]
+    assert len(assets) == 2 and "cdn" not in html.lower() and "https://" not in html.replace("https://fastapi", "")
+    for asset in assets:
+        with urllib.request.urlopen(server.url + asset, timeout=10) as resp:
+            assert resp.status == 200 and len(resp.read()) > 10_000
+
+
+def test_a_second_server_on_a_taken_port_is_refused_before_anything_starts(server, artifact):
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(server.port)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert f"port {server.port} on 127.0.0.1 is already in use by pid" in done.stderr and "haproxy" in done.stderr
+    assert "starting Ray" not in done.stderr
+
+
+def test_sigterm_stops_every_process_it_started_and_exits_0(server):
+    before = descendants(server.proc.pid)
+    assert len(before) >= 4  # Ray's processes, the replica, HAProxy
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0, server.log.read_text()[-2000:]
+    deadline = time.time() + 15
+    while alive(before) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not alive(before), [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in alive(before)]
+    text = server.log.read_text()
+    assert "fusionserve: shutting down" in text and "SIGTERM received" not in text and "Traceback" not in text
+    assert "failed" not in text.lower(), text
