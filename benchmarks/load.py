@@ -79,7 +79,9 @@ def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[in
 def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[str], logs: Path) -> dict:
     """One fresh server with ``ingress``: every client count, the replica's own port, a burst, and Ctrl-C."""
     body = servers.body_maker(task, texts)
-    server = servers.start_fusionserve(args.artifact, args.port, ingress, logs, args.replicas, args.device)
+    server = servers.start_fusionserve(
+        args.artifact, args.port, ingress, logs, args.replicas, args.device, args.max_batch_size, args.threads
+    )
     print(f"load: {ingress} up in {server.started_s:.1f} s", file=sys.stderr)
     out: dict = {"startup_s": round(server.started_s, 1), "rows": []}
     try:
@@ -106,7 +108,9 @@ def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[s
 def soak(args: argparse.Namespace, task: str, texts: list[str], logs: Path) -> dict:
     """``--soak`` seconds at 16 clients on the first ingress, a row per minute, and every server process's memory."""
     body = servers.body_maker(task, texts)
-    server = servers.start_fusionserve(args.artifact, args.port, args.ingress[0], logs, args.replicas, args.device)
+    server = servers.start_fusionserve(
+        args.artifact, args.port, args.ingress[0], logs, args.replicas, args.device, args.max_batch_size, args.threads
+    )
     try:
         closed_loop(server.port, "/v1/classify", body, 16, 10.0)  # warm-up: sessions, arenas, caches
         start_rss = servers.tree_rss_mb(server.proc.pid)
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--texts", default="rotten_tomatoes", help="dataset whose test texts are sent")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--threads", type=int, help="ONNX Runtime threads per replica (default: the server's, CPUs / replicas)")
+    p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--burst", type=int, default=300, help="simultaneous requests of the overload burst")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of a soak run at 16 clients (0: none)")
@@ -169,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "artifact": str(args.artifact),
         "seconds": args.seconds,
         "replicas": args.replicas,
+        "threads": args.threads,
+        "max_batch_size": args.max_batch_size,
         "device": args.device,
     }
     echo = servers.start_echo(args.port, logs)
