@@ -135,7 +135,8 @@ def replica_ports(pid: int) -> list[int]:
 
 
 def batch_sums(port: int, task: str) -> tuple[float, float]:
-    """(sum, count) of fusionserve_batch_size_inputs for ``task``: two scrapes give the mean batch in between."""
+    """(sum, count) of fusionserve_batch_size_inputs (batches of any tasks; ``task`` is kept for the signature):
+    two scrapes give the mean batch in between."""
     from prometheus_client.parser import text_string_to_metric_families
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -143,7 +144,7 @@ def batch_sums(port: int, task: str) -> tuple[float, float]:
     text = conn.getresponse().read().decode()
     for fam in text_string_to_metric_families(text):
         if fam.name == "fusionserve_batch_size_inputs":
-            vals = {s.name: s.value for s in fam.samples if s.labels.get("task") == task}
+            vals = {s.name: s.value for s in fam.samples}
             return vals.get("fusionserve_batch_size_inputs_sum", 0.0), vals.get("fusionserve_batch_size_inputs_count", 0.0)
     return 0.0, 0.0
 

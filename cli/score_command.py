@@ -13,7 +13,9 @@ from . import default
 def add_score(sub: Any) -> None:
     sc = sub.add_parser("score", help="score a JSONL, CSV or Parquet file: its rows plus label and score (resumable)")
     sc.add_argument("model", nargs="?", help="artifact folder; default: the built-in model, exported on first use")
-    sc.add_argument("--task", required=True, help="task to run")
+    sc.add_argument(
+        "--task", required=True, action="append", help="task to run; repeat for several (each adds <task>_label, ... in one pass)"
+    )
     sc.add_argument("--input", required=True, type=Path, help="rows to score: .jsonl / .json (JSON lines), .csv or .parquet")
     sc.add_argument("--output", type=Path, help="file to write, format from its extension (default: data.csv -> data.scored.csv)")
     sc.add_argument("--text-field", default="text", help="field (column) holding the text (default text)")
@@ -39,7 +41,8 @@ def run_score(args: argparse.Namespace) -> int:
     from fusionserve.scoring.score import score_file
 
     job = ScoreConfig(
-        model=Path(args.model) if args.model is not None else default.ensure_artifact(), task=args.task,
+        model=Path(args.model) if args.model is not None else default.ensure_artifact(),
+        task=args.task[0] if len(args.task) == 1 else tuple(args.task),
         input=args.input, output=args.output, text_field=args.text_field, pair_field=args.pair_field,
         batch_size=args.batch_size, chunk_size=args.chunk_size, all_scores=args.all_scores,
         activations=args.activations, prefix=args.prefix, threads=args.threads, overwrite=args.overwrite,

@@ -14,7 +14,7 @@ class ScoreConfig:
     """What ``fusionserve score`` does; ``output`` None: ``<input stem>.scored<input suffix>`` beside the input."""
 
     model: Path
-    task: str
+    task: str | tuple[str, ...]  # one task, or several: each adds its own columns, in one pass over the file
     input: Path
     output: Path | None = None
     text_field: str = "text"
@@ -44,6 +44,15 @@ class ScoreConfig:
             raise InputError("--ray-actors needs --ray or --ray-address")
         if self.output_path.resolve() == self.input.resolve():
             raise InputError(f"--output must differ from --input, both are {self.input}")
+        if not self.tasks:
+            raise InputError("--task: name at least one task")
+        repeated = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
+        if repeated:
+            raise InputError(f"--task: {', '.join(map(repr, repeated))} named more than once")
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return (self.task,) if isinstance(self.task, str) else tuple(self.task)
 
     @property
     def output_path(self) -> Path:

@@ -44,73 +44,102 @@ def score_inputs(
     activations: bool = False,
     on_rows: Callable[[int], object] | None = None,
 ) -> list[Scored]:
-    """Score ``inputs`` in batches of similar token length; results in input order. Raises what the runner
-    raises (unknown task, no fusion for activations, runtime failure)."""
-    labels = runner.artifact.task(task).labels
+    """Score ``inputs`` for one task; see ``score_tasks``."""
+    return [r[0] for r in score_tasks(runner, (task,), inputs, batch_size, activations, on_rows)]
+
+
+def score_tasks(
+    runner: OnnxRunner,
+    tasks: Sequence[str],
+    inputs: Sequence[TextInput],
+    batch_size: int,
+    activations: bool = False,
+    on_rows: Callable[[int], object] | None = None,
+) -> list[tuple[Scored, ...]]:
+    """Score ``inputs`` for each of ``tasks`` in batches of similar token length, tokenized once; per input, one
+    Scored per task, in input order. Raises what the runner raises (unknown task, no fusion for activations,
+    runtime failure)."""
+    labels = [runner.artifact.task(t).labels for t in tasks]
     if not inputs:  # a chunk whose rows were all bad
         return []
     # tokenized once: the lengths to sort by, and every batch a slice of it padded to its own longest
     encoded = runner.encoder.encode(inputs)
     lengths = encoded.attention_mask.sum(axis=1)
     order = sorted(range(len(inputs)), key=lengths.__getitem__)
-    out: list[Scored | None] = [None] * len(inputs)
+    out: list[list[Scored]] = [[] for _ in inputs]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         enc = encoded.rows(idx)
-        res = runner.run(task, enc, return_fusion_activations=activations)
-        acts = None
-        if res.fusion_activations is not None:
-            acts = mean_activations(res.fusion_activations, enc.attention_mask)  # (batch, task adapters)
-        for k, (i, (label, score, probs)) in enumerate(zip(idx, label_scores(labels, res.logits), strict=True)):
-            row_acts = None if acts is None else tuple(float(v) for v in acts[k])
-            out[i] = Scored(label, score, tuple(probs.values()), row_acts, enc.truncated[k])
+        for task, task_labels in zip(tasks, labels, strict=True):
+            res = runner.run(task, enc, return_fusion_activations=activations)
+            acts = None
+            if res.fusion_activations is not None:
+                acts = mean_activations(res.fusion_activations, enc.attention_mask)  # (batch, task adapters)
+            for k, (i, (label, score, probs)) in enumerate(zip(idx, label_scores(task_labels, res.logits), strict=True)):
+                row_acts = None if acts is None else tuple(float(v) for v in acts[k])
+                out[i].append(Scored(label, score, tuple(probs.values()), row_acts, enc.truncated[k]))
         if on_rows is not None:
             on_rows(len(idx))
-    if any(s is None for s in out):
-        raise RuntimeError(f"scored {sum(s is not None for s in out)} of {len(out)} inputs")
-    return [s for s in out if s is not None]
+    if any(len(s) != len(tasks) for s in out):
+        raise RuntimeError(f"scored {sum(len(s) == len(tasks) for s in out)} of {len(out)} inputs")
+    return [tuple(s) for s in out]
 
 
 def score_records(
     runner: OnnxRunner,
-    task: str,
+    tasks: Sequence[str],
     records: Sequence[Record | InputError],
     text_field: str,
     pair_field: str | None,
     batch_size: int,
     activations: bool = False,
     on_rows: Callable[[int], object] | None = None,
-) -> list[Scored | InputError]:
-    """One result per record, in order: its Scored, or the InputError of a row that has no usable text."""
+) -> list[tuple[Scored, ...] | InputError]:
+    """One result per record, in order: one Scored per task, or the InputError of a row that has no usable text."""
     inputs = [r if isinstance(r, InputError) else to_input(r, text_field, pair_field) for r in records]
     texts = [x for x in inputs if isinstance(x, TextInput)]
-    scored = iter(score_inputs(runner, task, texts, batch_size, activations, on_rows))
+    scored = iter(score_tasks(runner, tasks, texts, batch_size, activations, on_rows))
     return [x if isinstance(x, InputError) else next(scored) for x in inputs]
 
 
 @dataclass(frozen=True)
 class Added:
     """Columns a run adds to each row: ``label``, ``score``, then ``score_<label>`` (all scores) and
-    ``activation_<adapter>`` (activations), each name behind ``prefix``."""
+    ``activation_<adapter>`` (activations), each name behind ``prefix``; with several tasks, each task's columns
+    in turn, named ``<task>_label``, ``<task>_score``, ... (behind ``prefix``)."""
 
     names: tuple[str, ...]
-    n_scores: int
-    n_acts: int
+    per_task: tuple[tuple[int, int], ...]  # per task: (score columns, activation columns)
 
     @classmethod
-    def of(cls, cfg: ScoreConfig, entry: TaskEntry) -> Added:
-        p = cfg.prefix
-        scores = [f"{p}score_{lab}" for lab in entry.labels] if cfg.all_scores else []
-        acts = [f"{p}activation_{a}" for a in entry.adapters] if cfg.activations else []
-        return cls((f"{p}label", f"{p}score", *scores, *acts), len(scores), len(acts))
+    def of(cls, cfg: ScoreConfig, entries: Sequence[TaskEntry]) -> Added:
+        names: list[str] = []
+        per_task = []
+        for entry in entries:
+            p = cfg.prefix if len(entries) == 1 else f"{cfg.prefix}{entry.name}_"
+            scores = [f"{p}score_{lab}" for lab in entry.labels] if cfg.all_scores else []
+            acts = [f"{p}activation_{a}" for a in entry.adapters] if cfg.activations else []
+            names += [f"{p}label", f"{p}score", *scores, *acts]
+            per_task.append((len(scores), len(acts)))
+        return cls(tuple(names), tuple(per_task))
 
-    def values(self, s: Scored) -> Record:
-        vals: list[Any] = [s.label, s.score]
-        if self.n_scores:
-            vals += s.scores
-        if self.n_acts and s.activations is not None:
-            vals += s.activations
+    def values(self, results: tuple[Scored, ...]) -> Record:
+        vals: list[Any] = []
+        for s, (n_scores, n_acts) in zip(results, self.per_task, strict=True):
+            vals += [s.label, s.score]
+            if n_scores:
+                vals += s.scores
+            if n_acts and s.activations is not None:
+                vals += s.activations
         return dict(zip(self.names, vals, strict=True))
 
     def schema(self) -> pa.Schema:
-        return pa.schema([pa.field(self.names[0], pa.string())] + [pa.field(n, pa.float64()) for n in self.names[1:]])
+        return pa.schema([pa.field(n, pa.string() if n in self._label_columns() else pa.float64()) for n in self.names])
+
+    def _label_columns(self) -> set[str]:
+        out: set[str] = set()
+        i = 0
+        for n_scores, n_acts in self.per_task:
+            out.add(self.names[i])
+            i += 2 + n_scores + n_acts
+        return out

@@ -71,7 +71,7 @@ def _run_identity(cfg: ScoreConfig, artifact: Artifact, out_fmt: str) -> dict[st
     return {
         "input_sha256": sha256(cfg.input),
         "model_sha256": sha256(artifact.folder / MANIFEST),  # the manifest holds every model file's sha256
-        "task": cfg.task,
+        "task": cfg.task if isinstance(cfg.task, str) else list(cfg.task),
         "text_field": cfg.text_field,
         "pair_field": cfg.pair_field,
         "all_scores": cfg.all_scores,
@@ -166,12 +166,13 @@ def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
     source = open_source(cfg.input)
     out_fmt = format_of(cfg.output_path)
     artifact = _open_model(cfg.model)
-    entry = artifact.task(cfg.task)
-    if cfg.activations and entry.kind != "fusion":
-        raise InputError(f"--activations: task '{cfg.task}' has no fusion layer ({entry.kind} task)")
+    entries = [artifact.task(t) for t in cfg.tasks]
+    plain = [e for e in entries if e.kind != "fusion"]
+    if cfg.activations and plain:
+        raise InputError(f"--activations: task '{plain[0].name}' has no fusion layer ({plain[0].kind} task)")
     if max_rows is not None and cfg.uses_ray:
         raise InputError("max_rows stops a local run; --ray does not resume")
-    added = Added.of(cfg, entry)
+    added = Added.of(cfg, entries)
     _check_columns(cfg, source, added)
     state = prepare(cfg.output_path, _run_identity(cfg, artifact, out_fmt), cfg.overwrite, str(cfg.input), str(artifact.folder))
     resumed_from, started = state.rows_done, time.perf_counter()
@@ -186,7 +187,7 @@ def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
             "rerun without --ray to finish it, or pass --overwrite to start over"
         )
     runner = None if cfg.uses_ray else OnnxRunner(artifact, threads=cfg.threads)
-    bar = tqdm(desc=f"score {cfg.task}", unit="row", total=source.rows, initial=state.rows_done, file=sys.stderr,
+    bar = tqdm(desc=f"score {', '.join(cfg.tasks)}", unit="row", total=source.rows, initial=state.rows_done, file=sys.stderr,
                disable=not cfg.progress, dynamic_ncols=True)  # fmt: skip
     sink = Sink(cfg, source, out_fmt, state, added, lambda text: bar.write(text, file=sys.stderr))
     try:
@@ -219,7 +220,7 @@ def _score_local(
                 return True
             records = [parse(source.fmt, payload, source.columns) for _, payload in chunk]
             results = score_records(
-                runner, cfg.task, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations, on_rows
+                runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations, on_rows
             )
             sink.write([no for no, _ in chunk], records, results)
             sink.commit(len(chunk))

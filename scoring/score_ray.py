@@ -84,15 +84,16 @@ class ScoreBatches:
     def __call__(self, batch: pa.Table) -> pa.Table:
         cfg = self.cfg
         records = _records(batch, self.fmt, self.header)
-        results = score_records(self.runner, cfg.task, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations)
-        ok = [r if isinstance(r, Scored) else None for r in results]
+        results = score_records(self.runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations)
+        ok = [None if isinstance(r, InputError) else r for r in results]  # per row: one Scored per task
+        floats, nested = pa.list_(pa.float64()), pa.list_(pa.list_(pa.float64()))
         columns = {
             "error": pa.array([str(r) if isinstance(r, InputError) else None for r in results], pa.string()),
-            "label": pa.array([r and r.label for r in ok], pa.string()),
-            "score": pa.array([r and r.score for r in ok], pa.float64()),
-            "scores": pa.array([r and list(r.scores) for r in ok], pa.list_(pa.float64())),
-            "acts": pa.array([r and r.activations and list(r.activations) for r in ok], pa.list_(pa.float64())),
-            "truncated": pa.array([r and r.truncated for r in ok], pa.bool_()),
+            "label": pa.array([r and [s.label for s in r] for r in ok], pa.list_(pa.string())),
+            "score": pa.array([r and [s.score for s in r] for r in ok], floats),
+            "scores": pa.array([r and [list(s.scores) for s in r] for r in ok], nested),
+            "acts": pa.array([r and [list(s.activations or ()) for s in r] for r in ok], nested),
+            "truncated": pa.array([r and r[0].truncated for r in ok], pa.bool_()),
         }
         for name, values in columns.items():
             batch = batch.append_column(_PREFIX + name, values)
@@ -105,17 +106,18 @@ def _records(batch: pa.Table, fmt: str, header: tuple[str, ...] | None) -> list[
     return [parse(fmt, p, header) for p in batch.column(PAYLOAD).to_pylist()]
 
 
-def _results(batch: pa.Table) -> list[Scored | InputError]:
+def _results(batch: pa.Table, activations: bool) -> list[tuple[Scored, ...] | InputError]:
     cols = {name: batch.column(_PREFIX + name).to_pylist() for name in ("error", "label", "score", "scores", "acts", "truncated")}
-    out: list[Scored | InputError] = []
+    out: list[tuple[Scored, ...] | InputError] = []
     for i, error in enumerate(cols["error"]):
         if error is not None:
             out.append(InputError(error))
-        else:
-            acts = cols["acts"][i]
-            out.append(
-                Scored(cols["label"][i], cols["score"][i], tuple(cols["scores"][i]), acts and tuple(acts), cols["truncated"][i])
-            )
+            continue
+        per_task = zip(cols["label"][i], cols["score"][i], cols["scores"][i], cols["acts"][i], strict=True)
+        cut = cols["truncated"][i]
+        out.append(
+            tuple(Scored(lab, sc, tuple(scs), tuple(acts) if activations else None, cut) for lab, sc, scs, acts in per_task)
+        )
     return out
 
 
@@ -144,7 +146,9 @@ def score_with_ray(cfg: ScoreConfig, source: Source, artifact: Artifact, sink: S
         )
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             n = batch.num_rows
-            sink.write(batch.column(ROW).to_pylist(), _records(batch, source.fmt, source.columns), _results(batch))
+            sink.write(
+                batch.column(ROW).to_pylist(), _records(batch, source.fmt, source.columns), _results(batch, cfg.activations)
+            )
             sink.commit(n)
             on_rows(n)
     finally:

@@ -43,7 +43,9 @@ class Sink:
         if self.errors_path.exists() or state.errors_bytes:
             self.errors = JsonlWriter(self.errors_path, state.errors_bytes)
 
-    def write(self, rows: Sequence[int], records: Sequence[Record | InputError], results: Sequence[Scored | InputError]) -> None:
+    def write(
+        self, rows: Sequence[int], records: Sequence[Record | InputError], results: Sequence[tuple[Scored, ...] | InputError]
+    ) -> None:
         """Write one chunk: the good rows with their added columns to the output, the bad ones to the side file."""
         if not len(rows) == len(records) == len(results):
             raise RuntimeError(f"{len(results)} results for {len(rows)} rows ({len(records)} records)")
@@ -59,7 +61,7 @@ class Sink:
                 continue
             good_rows.append(no)
             good.append({**record, **self.added.values(result)})
-            cut[no] = result.truncated
+            cut[no] = result[0].truncated
         refused = self.writer.write(good_rows, good)
         self.state.scored += len(good_rows) - len(refused)
         self.state.truncated += sum(cut[no] for no in good_rows) - sum(cut[no] for no, _ in refused)

@@ -26,11 +26,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fusionserve import __version__
 
 from .artifact import TaskEntry, load_artifact
-from .batching import BatchLimits, BatchStats, JobResult, Overloaded, Scheduler
+from .batching import BatchLimits, BatchStats, Overloaded, Scheduler, TaskResult
 from .metrics import Metrics
 from .predictions import TextInput, label_scores
 from .runtime import OnnxRunner
-from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, describe_json_error, describe_validation_error
+from .schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    HTTPError,
+    Limits,
+    MultiTaskResponse,
+    describe_json_error,
+    describe_validation_error,
+)
 
 app = FastAPI(
     title="fusionserve",
@@ -43,7 +51,7 @@ _JSON = "application/json"
 _READY_EVERY_S = 5.0
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
-log = logging.getLogger("fusionserve.serving")
+log = logging.getLogger("ray.serve").getChild("fusionserve")  # in the replica log files, with Serve's own
 
 
 def _error(status: int, reason: str, message: str) -> Response:
@@ -89,10 +97,10 @@ def _replica_id() -> str:
         return str(os.getpid())
 
 
-def _answer(task: str, entry: TaskEntry, result: JobResult, with_acts: bool) -> dict[str, Any]:
+def _answer(task: str, entry: TaskEntry, result: TaskResult, truncated: list[bool], with_acts: bool) -> dict[str, Any]:
     preds = [
         {"label": label, "score": score, "scores": scores, "truncated": bool(cut)}
-        for (label, score, scores), cut in zip(label_scores(entry.labels, result.logits), result.truncated, strict=True)
+        for (label, score, scores), cut in zip(label_scores(entry.labels, result.logits), truncated, strict=True)
     ]
     out: dict[str, Any] = {"task": task, "predictions": preds}
     if with_acts and result.activations is not None:
@@ -118,13 +126,13 @@ class FusionServe:
         self._headers = {"x-fusionserve-replica": _replica_id()}
 
     def _on_batch(self, batch: BatchStats) -> None:
-        self.stats.observe_batch(batch, self.artifact.tasks[batch.task].adapters)
+        self.stats.observe_batch(batch, lambda task: self.artifact.tasks[task].adapters)
 
     # --- routes ---------------------------------------------------------------------------------------------
 
     @app.post(
         "/v1/classify",
-        response_model=ClassifyResponse,
+        response_model=ClassifyResponse | MultiTaskResponse,
         openapi_extra={"requestBody": {"required": True, "content": {_JSON: {"schema": ClassifyRequest.model_json_schema()}}}},
         responses={
             404: {"description": "unknown task"},
@@ -134,29 +142,21 @@ class FusionServe:
         },
     )
     async def classify(self, request: Request) -> Response:
-        """Classify texts (or text pairs) for one task."""
+        """Classify texts (or text pairs) for one task, or for several ("tasks") in one call."""
         started = time.perf_counter()
         task = "-"  # only known task names become metric labels
         try:
             req = self._parse(await self._read_body(request))
-            entry = self._task(req.task)
-            task = req.task
+            entries = self._tasks(req.task_names)
+            task = req.task_names[0] if req.task is not None else "multi"
             inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
-            if len(inputs) > self.limits.max_inputs:
-                raise HTTPError(
-                    413, "too_many_inputs", f"{len(inputs)} inputs in one request; the limit is {self.limits.max_inputs}"
-                )
-            if req.strict:
-                self._check_lengths(inputs)
-            if req.return_fusion_activations and entry.kind != "fusion":
-                raise HTTPError(
-                    422, "no_fusion", f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations"
-                )
+            self._check(req, inputs, entries)
             try:
-                result = await self.scheduler.submit(task, inputs)
+                result = await self.scheduler.submit(req.task_names, inputs)
             except Overloaded as exc:
                 raise HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later") from None
-            response = _json(_answer(task, entry, result, req.return_fusion_activations), headers=self._headers)
+            answers = [_answer(e.name, e, result.tasks[e.name], result.truncated, req.return_fusion_activations) for e in entries]
+            response = _json(answers[0] if req.task is not None else {"results": answers}, headers=self._headers)
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
             return response
         except HTTPError as err:
@@ -255,10 +255,28 @@ class FusionServe:
                 raise HTTPError(422, "malformed_json", describe_json_error(errors[0]["msg"])) from None
             raise HTTPError(422, "invalid_request", describe_validation_error(exc)) from None
 
-    def _task(self, task: str) -> TaskEntry:
-        if task not in self.artifact.tasks:
-            raise HTTPError(404, "unknown_task", f"unknown task '{task}'; known tasks: {', '.join(self.artifact.tasks)}")
-        return self.artifact.tasks[task]
+    def _tasks(self, names: list[str]) -> list[TaskEntry]:
+        unknown = [t for t in names if t not in self.artifact.tasks]
+        if unknown:
+            what = f"unknown task '{unknown[0]}'" if len(unknown) == 1 else f"unknown tasks {', '.join(map(repr, unknown))}"
+            raise HTTPError(404, "unknown_task", f"{what}; known tasks: {', '.join(self.artifact.tasks)}")
+        return [self.artifact.tasks[t] for t in names]
+
+    def _check(self, req: ClassifyRequest, inputs: tuple[TextInput, ...], entries: list[TaskEntry]) -> None:
+        """The limits and what the tasks allow, before anything is queued."""
+        rows, limit = len(inputs) * len(entries), self.limits.max_inputs
+        if rows > limit:
+            what = f"{len(inputs)} inputs" if len(entries) == 1 else f"{len(inputs)} inputs x {len(entries)} tasks = {rows}"
+            raise HTTPError(413, "too_many_inputs", f"{what} in one request; the limit is {limit}")
+        if req.strict:
+            self._check_lengths(inputs)
+        plain = [e for e in entries if e.kind != "fusion"]
+        if req.return_fusion_activations and plain:
+            raise HTTPError(
+                422,
+                "no_fusion",
+                f"task '{plain[0].name}' has no fusion layer ({plain[0].kind} task); there are no fusion activations",
+            )
 
     def _check_lengths(self, inputs: tuple[TextInput, ...]) -> None:
         lengths = self.encoder.count_tokens(inputs)

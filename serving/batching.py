@@ -1,10 +1,11 @@
 """Continuous batching for one replica, with no timer at low load.
 
-A request is tokenized when it arrives (in a tokenizer thread, off the event loop) and its inputs join a queue as
-rows. One model thread sends batches to the model, one at a time: as soon as the model is free it takes the rows
-queued —
-oldest first, rows of one task per batch — up to ``max_batch_size`` rows and ``max_batch_tokens`` padded tokens
-(rows x the longest row, at the runner's bucket length), and while that batch runs the next one forms. A single
+A request is tokenized when it arrives (in a tokenizer thread, off the event loop) and its inputs join one queue as
+rows — one row per input and task, so a request for several tasks adds each input once per task. One model thread
+sends batches to the model, one at a time: as soon as the model is free it takes the rows queued, oldest first and
+of any tasks (the graph selects each row's fusion and head), up to ``max_batch_size`` rows and
+``max_batch_tokens`` padded tokens (rows x the longest row, at the runner's bucket length), and while that batch
+runs the next one forms. A single
 request at an idle server therefore runs at once, and a request with more inputs than a batch holds is split over
 several batches, never refused. A request that finds ``max_queued`` requests already waiting is refused at once
 (``Overloaded``), so overload never builds a queue that answers late.
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -61,31 +63,58 @@ class BatchLimits:
 
 
 @dataclass(frozen=True)
+class TaskShare:
+    """One task's rows in a batch."""
+
+    inputs: int
+    truncated: int
+    activation_sums: np.ndarray | None  # (layers, task adapters): its rows' per-input token means, summed
+
+
+@dataclass(frozen=True)
 class BatchStats:
     """What one model call did, for the metrics."""
 
-    task: str
     inputs: int
     requests: int  # requests with a row in this batch
     tokens: int  # batch x padded length (the bucket's, when the runner buckets): what the model computed over
     model_ms: float
     truncated: int
-    activation_sums: np.ndarray | None  # (layers, task adapters): per-input token means, summed over the batch
+    tasks: dict[str, TaskShare]  # the batch's mix
+
+    @property
+    def task(self) -> str:
+        """The batch's task when it holds one (the mixed ones: "mixed")."""
+        return next(iter(self.tasks)) if len(self.tasks) == 1 else "mixed"
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    logits: np.ndarray  # (inputs, num_labels), label-id order
+    activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens; fusion only
 
 
 @dataclass(frozen=True)
 class JobResult:
-    logits: np.ndarray  # (inputs, num_labels), label-id order
-    truncated: list[bool]
-    activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens
+    tasks: dict[str, TaskResult]  # in the order asked for
+    truncated: list[bool]  # per input
     queue_ms: float  # arrival -> the first batch that took one of its rows
     batches: int  # how many model calls its rows went through
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The first (for a one-task request: the) task's logits."""
+        return next(iter(self.tasks.values())).logits
+
+    @property
+    def activations(self) -> np.ndarray | None:
+        return next(iter(self.tasks.values())).activations
 
 
 @dataclass(eq=False)
 class _Job:
-    task: str
-    n: int
+    tasks: tuple[str, ...]
+    n: int  # inputs; rows = inputs x tasks, task-major
     future: asyncio.Future[JobResult]
     loop: asyncio.AbstractEventLoop
     arrived_s: float
@@ -99,8 +128,9 @@ class _Job:
     failed: bool = False
 
     def __post_init__(self) -> None:
-        self.logits, self.acts, self.truncated = [None] * self.n, [None] * self.n, [False] * self.n
-        self.left = self.queued = self.n
+        rows = self.n * len(self.tasks)
+        self.logits, self.acts, self.truncated = [None] * rows, [None] * rows, [False] * self.n
+        self.left = self.queued = rows
 
     @property
     def gone(self) -> bool:
@@ -111,7 +141,8 @@ class _Job:
 @dataclass(frozen=True)
 class _Row:
     job: _Job
-    index: int  # position in its request
+    index: int  # position in its request: task-major, (task k, input i) is k * n + i
+    task: str
     tokens: Tokens
 
 
@@ -126,9 +157,9 @@ class Scheduler:
                 f"({runner.artifact.max_seq_len}); allowed: >= {runner.artifact.max_seq_len}"
             )
         self.runner, self.limits, self.on_batch = runner, limits, on_batch
-        self._queues: dict[str, deque[_Row]] = {}
+        self._queue: deque[_Row] = deque()
         self._waiting = 0  # requests with rows not yet taken by a batch (admission counts these)
-        self._lock = threading.Condition()  # guards the queues and the counters; the model thread waits on it
+        self._lock = threading.Condition()  # guards the queue and the counters; the model thread waits on it
         self._thread: threading.Thread | None = None
         self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="fusionserve-tokenize")
 
@@ -139,13 +170,14 @@ class Scheduler:
 
     @property
     def queued_rows(self) -> int:
-        """Inputs tokenized and queued for a batch."""
+        """Rows tokenized and queued for a batch."""
         with self._lock:
-            return sum(map(len, self._queues.values()))
+            return len(self._queue)
 
-    async def submit(self, task: str, inputs: Sequence[TextInput]) -> JobResult:
-        """Classify ``inputs`` for ``task``. Raises Overloaded when ``max_queued`` requests already wait, and what
-        the tokenizer or the runner raises for this request's rows."""
+    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput]) -> JobResult:
+        """Classify ``inputs`` for ``task`` (or for each of several tasks). Raises Overloaded when ``max_queued``
+        requests already wait, and what the tokenizer or the runner raises for this request's rows."""
+        tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._waiting >= self.limits.max_queued:
@@ -154,12 +186,13 @@ class Scheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
-        job = _Job(task, len(inputs), loop.create_future(), loop, time.perf_counter())
+        job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter())
         self._tokenize.submit(self._enqueue, job, inputs)
         return await job.future
 
     def _enqueue(self, job: _Job, inputs: Sequence[TextInput]) -> None:
-        """In a tokenizer thread: the request's rows join its task's queue, and the model thread is told."""
+        """In a tokenizer thread: the request's rows join the queue, and the model thread is told. Each input is
+        tokenized once, whatever the number of tasks."""
         try:
             tokens = self.runner.encoder.tokens(inputs)
         except Exception as exc:  # a tokenizer failure fails this request only
@@ -169,23 +202,24 @@ class Scheduler:
             failed: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]] = [(job.future, exc)]
             job.loop.call_soon_threadsafe(_settle, failed)
             return
+        rows = [_Row(job, k * job.n + i, task, t) for k, task in enumerate(job.tasks) for i, t in enumerate(tokens)]
         with self._lock:
-            self._queues.setdefault(job.task, deque()).extend(_Row(job, i, t) for i, t in enumerate(tokens))
+            self._queue.extend(rows)
             self._lock.notify()
 
     def _work(self) -> None:
         """The model thread: forever, the next batch as soon as there is one, then its results to the loops."""
         while True:
             with self._lock:
-                while not any(self._queues.values()):
+                while not self._queue:
                     self._lock.wait()
-                if self.limits.batch_wait_s and sum(map(len, self._queues.values())) < self.limits.max_batch_size:
+                if self.limits.batch_wait_s and len(self._queue) < self.limits.max_batch_size:
                     self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
-                task, rows = self._take()
+                rows = self._take()
             if not rows:
                 continue
             try:
-                logits, acts = self._run(task, rows)
+                logits, acts = self._run(rows)
             except Exception as exc:  # the runner failed this batch: fail its requests, keep serving the others
                 self._post(_failed(rows, exc))
             else:
@@ -201,16 +235,9 @@ class Scheduler:
             except RuntimeError:  # that loop is closed: nobody waits for these answers any more
                 continue
 
-    def _take(self) -> tuple[str, list[_Row]]:
-        """The next batch (under the lock): rows of the task whose first row waited longest, in order, within the
-        limits."""
-        for queue in self._queues.values():  # drop the rows of requests nobody waits for
-            while queue and queue[0].job.gone:
-                self._dequeued(queue.popleft())
-        task = min((t for t, q in self._queues.items() if q), key=lambda t: self._queues[t][0].job.arrived_s, default="")
-        if not task:
-            return "", []
-        queue, longest = self._queues[task], 0
+    def _take(self) -> list[_Row]:
+        """The next batch (under the lock): the oldest rows, of any tasks, within the limits."""
+        queue, longest = self._queue, 0
         rows: list[_Row] = []
         now = time.perf_counter()
         while queue and len(rows) < self.limits.max_batch_size:
@@ -220,47 +247,63 @@ class Scheduler:
                 break
             queue.popleft()
             self._dequeued(row)
-            if row.job.gone:
+            if row.job.gone:  # its caller went away, or another of its rows failed: nothing to compute
                 continue
             longest = max(longest, row.tokens.length)
             rows.append(row)
             if row.job.started_s is None:
                 row.job.started_s = now
-        return task, rows
+        return rows
 
     def _dequeued(self, row: _Row) -> None:
         row.job.queued -= 1
         if row.job.queued == 0:
             self._waiting -= 1
 
-    def _run(self, task: str, rows: list[_Row]) -> tuple[np.ndarray, np.ndarray | None]:
-        """One model call (in the model thread): (logits, per-input activation means or None)."""
+    def _run(self, rows: list[_Row]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """One model call (in the model thread): per row, its logits and (fusion rows) its activation means."""
         started = time.perf_counter()
         enc = self.runner.encoder.pad([r.tokens for r in rows])
-        fusion = self.runner.artifact.task(task).kind == "fusion"  # fusion tasks always report activations
-        out = self.runner.run(task, enc, return_fusion_activations=fusion)
-        acts = None if out.fusion_activations is None else token_means(out.fusion_activations, enc.attention_mask)
+        tasks = [r.task for r in rows]
+        out = self.runner.run_rows(tasks, enc, return_fusion_activations=True)  # fusion rows always report them
+        acts: list[np.ndarray | None] = []
+        for k, a in enumerate(out.fusion_activations):  # a: (layers, seq, task adapters); seq may be its group's width
+            mask = enc.attention_mask[k : k + 1, : a.shape[1]] if a is not None else None  # padding is on the right
+            acts.append(None if a is None else token_means(a[None], mask)[0])  # (layers, task adapters)
         if self.on_batch is not None:
             self.on_batch(
                 BatchStats(
-                    task=task, inputs=len(rows), requests=len({id(r.job) for r in rows}),
+                    inputs=len(rows), requests=len({id(r.job) for r in rows}),
                     tokens=len(rows) * self.runner.padded_length(enc.input_ids.shape[1]),
                     model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
-                    activation_sums=None if acts is None else acts.sum(axis=0),
+                    tasks=_shares(tasks, acts, enc.truncated),
                 )
             )  # fmt: skip
-        return out.logits, acts  # (batch, labels), (batch, layers, task adapters)
+        return out.logits, acts
 
 
-def _delivered(rows: list[_Row], logits: np.ndarray, acts: np.ndarray | None) -> list[tuple[_Job, JobResult | BaseException]]:
+def _shares(tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool]) -> dict[str, TaskShare]:
+    out: dict[str, list[Any]] = {}
+    for task, a, cut in zip(tasks, acts, truncated, strict=True):
+        slot = out.setdefault(task, [0, 0, None])
+        slot[0] += 1
+        slot[1] += int(cut)
+        if a is not None:
+            slot[2] = a.copy() if slot[2] is None else slot[2] + a
+    return {t: TaskShare(n, cut, sums) for t, (n, cut, sums) in out.items()}
+
+
+def _delivered(
+    rows: list[_Row], logits: list[np.ndarray], acts: list[np.ndarray | None]
+) -> list[tuple[_Job, JobResult | BaseException]]:
     """Record a batch's rows in their requests; the requests it completed, with their results."""
     for job in {id(r.job): r.job for r in rows}.values():
         job.batches += 1
     done: list[tuple[_Job, JobResult | BaseException]] = []
     for k, row in enumerate(rows):
         job = row.job
-        job.logits[row.index], job.truncated[row.index] = logits[k], row.tokens.truncated
-        job.acts[row.index] = None if acts is None else acts[k]
+        job.logits[row.index], job.acts[row.index] = logits[k], acts[k]
+        job.truncated[row.index % job.n] = row.tokens.truncated
         job.left -= 1
         if job.left == 0 and not job.gone:
             done.append((job, _result(job)))
@@ -286,12 +329,11 @@ def _settle(items: list[tuple[asyncio.Future[JobResult], JobResult | BaseExcepti
 
 
 def _result(job: _Job) -> JobResult:
-    acts = None if job.acts[0] is None else np.stack([a for a in job.acts if a is not None])
+    tasks = {}
+    for k, task in enumerate(job.tasks):
+        rows = range(k * job.n, (k + 1) * job.n)
+        logits = np.stack([job.logits[i] for i in rows])  # type: ignore[misc]
+        acts = None if job.acts[rows[0]] is None else np.stack([job.acts[i] for i in rows])  # type: ignore[misc]
+        tasks[task] = TaskResult(logits, acts)
     started = job.started_s if job.started_s is not None else job.arrived_s
-    return JobResult(
-        logits=np.stack([x for x in job.logits if x is not None]),
-        truncated=list(job.truncated),
-        activations=acts,
-        queue_ms=(started - job.arrived_s) * 1000,
-        batches=job.batches,
-    )
+    return JobResult(tasks, list(job.truncated), (started - job.arrived_s) * 1000, job.batches)

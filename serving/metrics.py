@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,6 +25,7 @@ from .batching import BatchStats
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TOKEN_BUCKETS = (64, 256, 1024, 4096, 16384, 65536)
+_TASK_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 FLUSH_S = 1.0  # the activation counters lag the served inputs by at most this (other replicas' sums, at a scrape)
 _ACT_SUM = "fusionserve_fusion_activation_weight_sum"
 _ACT_INPUTS = "fusionserve_fusion_activation_inputs"
@@ -74,17 +75,19 @@ class Metrics:
             ["task"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.model_duration = Histogram(
-            "fusionserve_model_duration_seconds", "Time of one batched model call (tokenize + ONNX Runtime)",
-            ["task"], buckets=_LATENCY_BUCKETS_S, registry=r,
+            "fusionserve_model_duration_seconds", "Time of one batched model call (padding + ONNX Runtime)",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.batch_size = Histogram(
-            "fusionserve_batch_size_inputs", "Inputs per model call", ["task"], buckets=_SIZE_BUCKETS, registry=r
+            "fusionserve_batch_size_inputs", "Inputs (rows) per model call, of any tasks", buckets=_SIZE_BUCKETS, registry=r
         )
         self.batch_tokens = Histogram(
-            "fusionserve_batch_tokens",
-            "Tokens per model call (batch x padded length)",
-            ["task"],
-            buckets=_TOKEN_BUCKETS,
+            "fusionserve_batch_tokens", "Tokens per model call (batch x padded length)", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_tasks = Histogram(
+            "fusionserve_batch_tasks",
+            "Different tasks in one model call: how much batches mix",
+            buckets=_TASK_BUCKETS,
             registry=r,
         )
         self.inputs = Counter("fusionserve_inputs_total", "Inputs classified", ["task"], registry=r)
@@ -105,6 +108,8 @@ class Metrics:
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once: prometheus_client locks and builds a key on every call."""
+        if not labels:  # an unlabelled metric is its own child
+            return metric
         key = (metric, labels)
         child = self._children.get(key)
         if child is None:
@@ -120,21 +125,25 @@ class Metrics:
     def observe_rejected(self, reason: str) -> None:
         self._child(self.rejected, reason).inc()
 
-    def observe_batch(self, batch: BatchStats, adapters: tuple[str, ...]) -> None:
-        """One model call: called once per batch, not per request. The activation sums (a counter per task, layer
-        and adapter) are added up here and written out at most every ``FLUSH_S`` seconds, and at every scrape."""
-        task = batch.task
-        self._child(self.inputs, task).inc(batch.inputs)
-        if batch.truncated:
-            self._child(self.truncated, task).inc(batch.truncated)
-        self._child(self.model_duration, task).observe(batch.model_ms / 1000)
-        self._child(self.batch_size, task).observe(batch.inputs)
-        self._child(self.batch_tokens, task).observe(batch.tokens)
-        if batch.activation_sums is not None:  # (layers, adapters), summed over the batch's inputs
-            with self._acts_lock:
-                slot = self._acts.setdefault((task, adapters), [0.0, 0])
-                slot[0] = slot[0] + batch.activation_sums
-                slot[1] += batch.inputs
+    def observe_batch(self, batch: BatchStats, adapters: Callable[[str], tuple[str, ...]]) -> None:
+        """One model call: called once per batch, not per request. A batch may mix tasks: its size, tokens, time and
+        mix are the batch's; inputs, truncations and activations are counted per task. The activation sums (a
+        counter per task, layer and adapter) are added up here and written out at most every ``FLUSH_S`` seconds,
+        and at every scrape."""
+        self._child(self.model_duration).observe(batch.model_ms / 1000)
+        self._child(self.batch_size).observe(batch.inputs)
+        self._child(self.batch_tokens).observe(batch.tokens)
+        self._child(self.batch_tasks).observe(len(batch.tasks))
+        for task, share in batch.tasks.items():
+            self._child(self.inputs, task).inc(share.inputs)
+            if share.truncated:
+                self._child(self.truncated, task).inc(share.truncated)
+            if share.activation_sums is None:
+                continue
+            with self._acts_lock:  # (layers, adapters), summed over the task's inputs in the batch
+                slot = self._acts.setdefault((task, adapters(task)), [0.0, 0])
+                slot[0] = slot[0] + share.activation_sums
+                slot[1] += share.inputs
                 if self._flusher is None:
                     self._flusher = threading.Thread(target=self._flush_forever, name="fusionserve-metrics", daemon=True)
                     self._flusher.start()

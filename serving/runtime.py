@@ -93,6 +93,15 @@ def make_session(path: Path, threads: int | None = None, spin: bool = True, devi
     return session
 
 
+@dataclass(frozen=True)
+class RowsOutput:
+    """``run_rows``'s answer: per row, its task's logits (num_labels,) and, for a fusion row when asked, its
+    activations (layers, seq, task adapters)."""
+
+    logits: list[np.ndarray]
+    fusion_activations: list[np.ndarray | None]
+
+
 @dataclass
 class _Bound:
     """One IO binding with its buffers, for one batch shape and one set of outputs."""
@@ -153,6 +162,7 @@ class OnnxRunner:
         self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
         # a graph with one task and no adapter never reads task_id: the exporter dropped that input
         self._inputs = {i.name for i in self.session.get_inputs()}
+        self._task_id_shape = next((tuple(i.shape) for i in self.session.get_inputs() if i.name == "task_id"), ())
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.device = "cuda" if self.provider == CUDA else "cpu"  # where the session runs
         on_cuda = self.device == "cuda"
@@ -184,21 +194,68 @@ class OnnxRunner:
             raise FusionServeError(f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations")
         seq = encoded.input_ids.shape[1]
         padded = self.encoder.pad_to(encoded, self.padded_length(seq))
+        ids = np.full(padded.input_ids.shape[0] if self.per_row_tasks else 1, entry.index)
+        feeds = self._feeds(padded, ids)
+        names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
+        out = self._run_bound(names, feeds) if self.io_binding else self.session.run(names, feeds)
+        logits = out[0][:, : len(entry.labels)].astype(np.float32)
+        acts = self._columns(out[1][:, :, :seq], entry) if return_fusion_activations else None
+        return Output(logits, acts, encoded)
+
+    def _feeds(self, padded: Encoded, task_ids: np.ndarray) -> dict[str, np.ndarray]:
         feeds = {
             "input_ids": padded.input_ids,
             "attention_mask": padded.attention_mask,
             "token_type_ids": padded.token_type_ids,
-            "task_id": np.array([entry.index], dtype=np.int64),
+            "task_id": task_ids.astype(np.int64),
         }
-        feeds = {k: v for k, v in feeds.items() if k in self._inputs}
-        names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
+        return {k: v for k, v in feeds.items() if k in self._inputs}
+
+    def _columns(self, acts: np.ndarray, entry: TaskEntry) -> np.ndarray:
+        """The task's own adapters' columns of the graph's fusion activations: (rows, layers, seq, task adapters)."""
+        columns = [self.artifact.adapters.index(a) for a in entry.adapters]
+        return acts[..., columns].astype(np.float32)
+
+    @property
+    def per_row_tasks(self) -> bool:
+        """Whether the graph takes a task per row (``task_id`` of shape (batch,)); older artifacts take one per run."""
+        shape = self._task_id_shape
+        return bool(shape) and shape[0] != 1
+
+    def run_rows(self, tasks: Sequence[str], encoded: Encoded, return_fusion_activations: bool = False) -> RowsOutput:
+        """One batch whose row i is classified for ``tasks[i]``: one forward pass when the graph takes a task per
+        row, else one per task present (rows grouped by task, each group padded to its own longest). Fusion rows get
+        their activations when asked; the others None. Raises ArtifactError for an unknown task."""
+        if len(tasks) != encoded.input_ids.shape[0]:
+            raise ValueError(f"{len(tasks)} tasks for {encoded.input_ids.shape[0]} rows")
+        entries = [self.artifact.task(t) for t in tasks]
+        if len({e.name for e in entries}) == 1 or not self.per_row_tasks:
+            return self._run_grouped(entries, encoded, return_fusion_activations)
+        seq = encoded.input_ids.shape[1]
+        feeds = self._feeds(self.encoder.pad_to(encoded, self.padded_length(seq)), np.array([e.index for e in entries]))
+        wants = return_fusion_activations and any(e.kind == "fusion" for e in entries)
+        names = ["logits", "fusion_activations"] if wants else ["logits"]
         out = self._run_bound(names, feeds) if self.io_binding else self.session.run(names, feeds)
-        logits = out[0][:, : len(entry.labels)].astype(np.float32)
-        acts = None
-        if return_fusion_activations:
-            columns = [self.artifact.adapters.index(a) for a in entry.adapters]
-            acts = out[1][:, :, :seq][..., columns].astype(np.float32)  # (batch, layers, seq, task adapters)
-        return Output(logits, acts, encoded)
+        logits = [out[0][i, : len(e.labels)].astype(np.float32) for i, e in enumerate(entries)]
+        acts = [
+            self._columns(out[1][i : i + 1, :, :seq], e)[0] if wants and e.kind == "fusion" else None
+            for i, e in enumerate(entries)
+        ]
+        return RowsOutput(logits, acts)
+
+    def _run_grouped(self, entries: list[TaskEntry], encoded: Encoded, return_fusion_activations: bool) -> RowsOutput:
+        groups: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            groups.setdefault(e.name, []).append(i)
+        logits: list[np.ndarray | None] = [None] * len(entries)
+        acts: list[np.ndarray | None] = [None] * len(entries)
+        for task, idx in groups.items():
+            fusion = return_fusion_activations and self.artifact.task(task).kind == "fusion"
+            out = self.run(task, encoded if len(groups) == 1 else encoded.rows(idx), return_fusion_activations=fusion)
+            for k, i in enumerate(idx):
+                logits[i] = out.logits[k]
+                acts[i] = None if out.fusion_activations is None else out.fusion_activations[k]
+        return RowsOutput([x for x in logits if x is not None], acts)
 
     def logits(self, task: str, inputs: Sequence[TextInput]) -> tuple[np.ndarray, list[bool]]:
         self.artifact.task(task)  # unknown task: a clear error before tokenizing
@@ -227,7 +284,7 @@ class OnnxRunner:
         binding = self.session.io_binding()
         inputs = {}
         for i in self.session.get_inputs():
-            shape = (1,) if i.name == "task_id" else (batch, seq)
+            shape = ((batch,) if self.per_row_tasks else (1,)) if i.name == "task_id" else (batch, seq)
             inputs[i.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY_TYPES[i.type], where, 0)
             binding.bind_ortvalue_input(i.name, inputs[i.name])
         for name in names:

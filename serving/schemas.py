@@ -4,7 +4,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError, model_validator
 
 Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=r"\S")]
 
@@ -17,12 +17,27 @@ class PairInput(BaseModel):
 
 class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    task: str = Field(description="a task of the served artifact (GET /v1/tasks)")
+    task: str | None = Field(None, description="a task of the served artifact (GET /v1/tasks); or give 'tasks'")
+    tasks: list[Annotated[str, StringConstraints(strict=True)]] | None = Field(
+        None, min_length=1, description="several tasks, each answered for every input in one call (instead of 'task')"
+    )
     inputs: list[Text | PairInput] = Field(min_length=1, description="plain texts and/or {text, text_pair} objects")
     return_fusion_activations: StrictBool = Field(
         False, description="add per input the fusion weights per layer and adapter, averaged over its tokens"
     )
     strict: StrictBool = Field(False, description="refuse (413) an input over the token limit instead of truncating it")
+
+    @model_validator(mode="after")
+    def _one_way_to_name_tasks(self) -> "ClassifyRequest":
+        if (self.task is None) == (self.tasks is None):
+            raise ValueError("give exactly one of 'task' (one task) and 'tasks' (several)")
+        if self.tasks is not None and len(set(self.tasks)) < len(self.tasks):
+            raise ValueError(f"'tasks' names a task more than once: {self.tasks}")
+        return self
+
+    @property
+    def task_names(self) -> list[str]:
+        return [self.task] if self.task is not None else list(self.tasks or ())
 
 
 class Prediction(BaseModel):
@@ -37,10 +52,20 @@ class FusionActivations(BaseModel):
     values: list[list[list[float]]] = Field(description="per input, per layer, per adapter (in 'adapters' order)")
 
 
-class ClassifyResponse(BaseModel):
+class TaskAnswer(BaseModel):
     task: str
-    predictions: list[Prediction]
-    fusion_activations: FusionActivations | None = None
+    predictions: list[Prediction] = Field(description="one per input, in order")
+    fusion_activations: FusionActivations | None = Field(None, description="when asked, for a fusion task")
+
+
+class ClassifyResponse(TaskAnswer):
+    """The answer to a request naming one ``task``."""
+
+
+class MultiTaskResponse(BaseModel):
+    """The answer to a request naming several ``tasks``: one entry per task, in the order asked for."""
+
+    results: list[TaskAnswer]
 
 
 @dataclass(frozen=True)
@@ -71,7 +96,8 @@ def describe_validation_error(exc: ValidationError) -> str:
             )
         else:
             where = ".".join(str(p) for p in loc) or "body"
-            problems.setdefault(where, f"{where}: {e['msg'].lower()}")
+            msg = e["msg"].removeprefix("Value error, ") if e["type"] == "value_error" else e["msg"].lower()
+            problems.setdefault(where, f"{where}: {msg}")
     return "; ".join(list(problems.values())[:5])
 
 

@@ -145,3 +145,40 @@ def test_a_failing_batch_fails_its_requests_and_the_next_are_served(runner):
 def test_a_budget_below_one_input_is_refused(runner):
     with pytest.raises(FusionServeError, match="max_batch_tokens = 8 cannot hold one input"):
         Scheduler(runner, BatchLimits(max_batch_tokens=8))
+
+
+def test_a_batch_mixing_tasks_answers_each_row_as_its_task_alone(runner):
+    batches: list[BatchStats] = []
+    sched = Scheduler(runner, BatchLimits(max_batch_size=16), batches.append)
+    gate = Gate(runner)
+    work = [(task, TEXTS[i % len(TEXTS)]) for i, task in enumerate(["rte", "nli", "alpha_only", "head_only", "custom", "rte"])]
+
+    async def scenario():
+        gate.close()
+        first = asyncio.ensure_future(sched.submit("flat", TEXTS[:1]))
+        while not gate.entered.is_set():
+            await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(sched.submit(task, [x])) for task, x in work]
+        while sched.queued_rows < len(work):
+            await asyncio.sleep(0.01)
+        gate.release.set()
+        return await first, await asyncio.gather(*rest)
+
+    _, results = asyncio.run(scenario())
+    assert [len(b.tasks) for b in batches] == [1, 5] and batches[1].inputs == len(work)  # one batch of five tasks
+    for (task, x), result in zip(work, results, strict=True):
+        np.testing.assert_allclose(result.logits, runner.logits(task, [x])[0], atol=1e-5, err_msg=task)
+        if runner.task(task).kind == "fusion":
+            enc = runner.encoder.encode([x])
+            ref = runner.run(task, enc, return_fusion_activations=True).fusion_activations.mean(axis=2)
+            np.testing.assert_allclose(result.activations, ref, atol=1e-5, err_msg=task)
+        else:
+            assert result.activations is None
+
+
+def test_one_request_for_several_tasks_tokenizes_once_and_answers_each(runner):
+    sched = Scheduler(runner, BatchLimits(max_batch_size=16))
+    result = asyncio.run(sched.submit(["rte", "alpha_only", "head_only"], TEXTS[:3]))
+    assert list(result.tasks) == ["rte", "alpha_only", "head_only"] and len(result.truncated) == 3
+    for task, answer in result.tasks.items():
+        np.testing.assert_allclose(answer.logits, runner.logits(task, TEXTS[:3])[0], atol=1e-5, err_msg=task)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fusionserve.cli.main import main
+from fusionserve.errors import InputError
 from fusionserve.scoring.core import mean_activations, score_inputs
 from fusionserve.scoring.progress import side_files
 from fusionserve.scoring.score import score_file
@@ -229,3 +230,25 @@ def test_spec_instead_of_artifact_is_refused(built_st, tmp_path, capsys):
     src = _write(tmp_path / "in.jsonl", [{"text": "hi"}])
     code, _, err = _cli(capsys, "score", built_st.spec, "--task", "rte", "--input", src)
     assert code == 2 and "is not an artifact folder" in err and "fusionserve export" in err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_several_tasks_add_their_columns_in_one_pass(artifact, runner, tmp_path, fmt):
+    texts = _texts(11)
+    src = _write(tmp_path / f"in.{fmt}", [{"id": str(i), "text": t} for i, t in enumerate(texts)])
+    dst = tmp_path / f"out.{fmt}"
+    tasks = ("nli", "alpha_only", "head_only")
+    summary = score_file(_cfg(artifact, src, dst, task=tasks, all_scores=True))
+    assert (summary.rows, summary.scored, summary.complete) == (11, 11, True)
+    out = _read(dst)
+    expected = ["id", "text"]
+    for task in tasks:
+        expected += [f"{task}_label", f"{task}_score", *(f"{task}_score_{lab}" for lab in runner.labels[task])]
+    assert list(out[0]) == expected
+    for task in tasks:
+        want = [label for label, _, _ in label_scores(runner.labels[task], runner.logits(task, [TextInput(t) for t in texts])[0])]
+        assert [r[f"{task}_label"] for r in out] == want, task
+    with pytest.raises(InputError, match="--task: 'nli' named more than once"):
+        score_file(_cfg(artifact, src, tmp_path / f"again.{fmt}", task=("nli", "nli")))
+    with pytest.raises(InputError, match="--activations: task 'alpha_only' has no fusion layer"):
+        score_file(_cfg(artifact, src, tmp_path / f"acts.{fmt}", task=("nli", "alpha_only"), activations=True))

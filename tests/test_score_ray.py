@@ -31,6 +31,11 @@ def test_ray_data_path_gives_the_local_output(artifact, tmp_path):
                 else pq.read_table(remote).equals(pq.read_table(local))
             )
             assert side_files(remote)[0].read_bytes() == side_files(local)[0].read_bytes()
+        several = {"task": ("rte", "alpha_only"), "all_scores": True}  # several tasks: their columns, the same either way
+        a = score_file(_cfg(artifact, jsonl, tmp_path / "local-2.jsonl", **several))
+        b = score_file(_cfg(artifact, jsonl, tmp_path / "ray-2.jsonl", ray=True, **several))
+        assert (b.scored, b.failed) == (a.scored, a.failed)
+        assert (tmp_path / "ray-2.jsonl").read_bytes() == (tmp_path / "local-2.jsonl").read_bytes()
         unfinished = tmp_path / "unfinished.jsonl"
         score_file(_cfg(artifact, jsonl, unfinished), max_rows=5)
         with pytest.raises(InputError, match=r"--ray does not resume.*rerun without --ray to finish it"):

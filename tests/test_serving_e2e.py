@@ -181,6 +181,41 @@ def test_tasks_health_and_docs(server):
     assert "inputs" in schema["properties"] and "return_fusion_activations" in schema["properties"]
 
 
+def test_one_request_for_several_tasks_answers_each_as_alone(server, local):
+    texts = [SENTENCES[0], {"text": PAIRS[1][0], "text_pair": PAIRS[1][1]}]
+    tasks = ["rte", "alpha_only", "head_only"]
+    status, body = _call(server[0] + "/v1/classify", {"tasks": tasks, "inputs": texts, "return_fusion_activations": False})
+    assert status == 200, body
+    assert [r["task"] for r in body["results"]] == tasks
+    for result in body["results"]:
+        alone = _call(server[0] + "/v1/classify", {"task": result["task"], "inputs": texts})[1]
+        for got, want in zip(result["predictions"], alone["predictions"], strict=True):
+            assert got["label"] == want["label"]
+            np.testing.assert_allclose(list(got["scores"].values()), list(want["scores"].values()), atol=1e-5)
+    bad = {"tasks": ["rte", "nope", "gone"], "inputs": ["a"]}
+    assert _call(server[0] + "/v1/classify", bad)[1]["error"]["message"].startswith("unknown tasks 'nope', 'gone'")
+    both = _call(server[0] + "/v1/classify", {"task": "rte", "tasks": ["nli"], "inputs": ["a"]})
+    assert both[0] == 422 and "exactly one of 'task'" in both[1]["error"]["message"]
+    many = _call(server[0] + "/v1/classify", {"tasks": ["rte", "nli"], "inputs": ["a"] * 5})
+    assert many[0] == 413 and "5 inputs x 2 tasks = 10" in many[1]["error"]["message"]
+
+
+def test_concurrent_requests_over_several_tasks_each_get_their_solo_answer(server, local):
+    work = [
+        (task, SENTENCES[i % len(SENTENCES)]) for i, task in enumerate(["rte", "nli", "custom", "alpha_only", "head_only"] * 6)
+    ]
+    with ThreadPoolExecutor(6) as pool:  # within what the server holds (--max-ongoing 4 + --max-queued 4)
+        answers = list(pool.map(lambda tw: _call(server[0] + "/v1/classify", {"task": tw[0], "inputs": [tw[1]]}), work))
+    served = 0
+    for (task, text), (status, body) in zip(work, answers, strict=True):
+        assert status in (200, 503), body
+        if status == 200:
+            served += 1
+            want = softmax(local.logits(task, [TextInput(text)])[0].astype(np.float64))[0]
+            np.testing.assert_allclose(list(body["predictions"][0]["scores"].values()), want, atol=1e-5, err_msg=task)
+    assert served >= 10
+
+
 def test_concurrent_requests_are_batched_and_metrics_parse(server):
     url = server[0]
     with ThreadPoolExecutor(16) as pool:
@@ -190,11 +225,11 @@ def test_concurrent_requests_are_batched_and_metrics_parse(server):
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    sizes = {s.name: s.value for s in families["fusionserve_batch_size_inputs"].samples if s.labels.get("task") == "nli"}
+    sizes = {s.name: s.value for s in families["fusionserve_batch_size_inputs"].samples}  # batches mix tasks: no task label
     assert sizes["fusionserve_batch_size_inputs_count"] >= 1
     assert sizes["fusionserve_batch_size_inputs_sum"] > sizes["fusionserve_batch_size_inputs_count"]  # some batch held > 1
     for name in ("fusionserve_request_duration_seconds", "fusionserve_queue_wait_seconds", "fusionserve_model_duration_seconds",
-                 "fusionserve_batch_tokens", "fusionserve_rejected_requests", "fusionserve_inputs"):  # fmt: skip
+                 "fusionserve_batch_tokens", "fusionserve_batch_tasks", "fusionserve_rejected_requests", "fusionserve_inputs"):  # fmt: skip
         assert name in families, name
     means = [s for s in families["fusionserve_fusion_activation_mean_ratio"].samples if s.labels["task"] == "nli"]
     assert {s.labels["adapter"] for s in means} == {"alpha", "beta"} and all(0 <= s.value <= 1 for s in means)
