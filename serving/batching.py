@@ -268,8 +268,11 @@ class Scheduler:
         out = self.runner.run_rows(tasks, enc, return_fusion_activations=True)  # fusion rows always report them
         acts: list[np.ndarray | None] = []
         for k, a in enumerate(out.fusion_activations):  # a: (layers, seq, task adapters); seq may be its group's width
-            mask = enc.attention_mask[k : k + 1, : a.shape[1]] if a is not None else None  # padding is on the right
-            acts.append(None if a is None else token_means(a[None], mask)[0])  # (layers, task adapters)
+            if a is None:
+                acts.append(None)
+                continue
+            mask = enc.attention_mask[k : k + 1, : a.shape[1]]  # padding is on the right: the row's tokens all stay
+            acts.append(token_means(a[None], mask)[0])  # (layers, task adapters)
         if self.on_batch is not None:
             self.on_batch(
                 BatchStats(
