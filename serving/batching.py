@@ -208,22 +208,22 @@ class Scheduler:
             self._lock.notify()
 
     def _work(self) -> None:
-        """The model thread: forever, the next batch as soon as there is one, then its results to the loops."""
+        """The model thread: forever, the next batch as soon as there is one, then its results to the loops. It
+        must not die (every later request would wait forever): whatever fails fails the batch it happened in."""
         while True:
-            with self._lock:
-                while not self._queue:
-                    self._lock.wait()
-                if self.limits.batch_wait_s and len(self._queue) < self.limits.max_batch_size:
-                    self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
-                rows = self._take()
-            if not rows:
-                continue
+            rows: list[_Row] = []
             try:
-                logits, acts = self._run(rows)
-            except Exception as exc:  # the runner failed this batch: fail its requests, keep serving the others
+                with self._lock:
+                    while not self._queue:
+                        self._lock.wait()
+                    if self.limits.batch_wait_s and len(self._queue) < self.limits.max_batch_size:
+                        self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
+                    rows = self._take()
+                if rows:
+                    logits, acts = self._run(rows)
+                    self._post(_delivered(rows, logits, acts))
+            except Exception as exc:  # the runner (or the metrics) failed this batch: fail its requests, go on
                 self._post(_failed(rows, exc))
-            else:
-                self._post(_delivered(rows, logits, acts))
 
     def _post(self, settled: list[tuple[_Job, JobResult | BaseException]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[JobResult], JobResult | BaseException]]] = {}
