@@ -63,17 +63,56 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--replace", action="store_true", help="on a Ray cluster (RAY_ADDRESS) that already runs fusionserve: replace it"
     )
+    sv.add_argument(
+        "--grpc-port", type=int, help="also serve gRPC (fusionserve.v1.Classifier, serving/fusionserve.proto) on this port"
+    )
+    _add_scaling(sv)
     sv.set_defaults(run=run_serve, needs="serve")
+
+
+def _add_scaling(sv: Any) -> None:
+    scale = sv.add_argument_group("autoscaling (Serve's autoscaling_config; both --min- and --max-replicas turn it on)")
+    scale.add_argument("--min-replicas", type=int, help="fewest replicas (>= 1)")
+    scale.add_argument("--max-replicas", type=int, help="most replicas")
+    scale.add_argument(
+        "--target-ongoing-requests", type=float, default=2.0, help="ongoing requests per replica Serve scales to (default 2)"
+    )
+    scale.add_argument("--upscale-delay-s", type=float, default=30.0, help="load held this long adds replicas (default 30)")
+    scale.add_argument(
+        "--downscale-delay-s", type=float, default=600.0, help="low load held this long removes replicas (default 600)"
+    )
+    scale.add_argument(
+        "--look-back-period-s", type=float, default=30.0, help="window the ongoing requests are averaged over (default 30)"
+    )
+    cluster = sv.add_argument_group("clusters and stock Ray tools (see the README's Scaling out)")
+    cluster.add_argument(
+        "--ship-artifact",
+        action="store_true",
+        help="hand the artifact to Ray (runtime env working_dir): every node gets its own copy; without it every node "
+        "reads ARTIFACT at this same path",
+    )
+    cluster.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print a Ray Serve config file for these options (for `serve run`/`serve deploy`, KubeRay) and exit",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from fusionserve.serving.server import ServerConfig, serve_forever
 
     artifact = Path(args.artifact) if args.artifact is not None else default.ensure_artifact()
-    cfg = ServerConfig(
-        artifact, args.host, args.port, args.replicas, args.max_batch_size, args.batch_wait_ms,
-        args.max_queued, args.max_ongoing, args.max_inputs, args.max_body_bytes, args.threads, args.device,
-        args.max_batch_tokens, args.ingress, args.body_timeout_s, args.replace,
+    names = (
+        "host", "port", "replicas", "max_batch_size", "batch_wait_ms", "max_queued", "max_ongoing", "max_inputs",
+        "max_body_bytes", "threads", "device", "max_batch_tokens", "ingress", "body_timeout_s", "replace", "grpc_port",
+        "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s",
+        "look_back_period_s", "ship_artifact",
     )  # fmt: skip
+    cfg = ServerConfig(artifact, **{n: getattr(args, n) for n in names})
+    if args.print_config:
+        from fusionserve.serving.serve_config import render
+
+        print(render(cfg), end="")
+        return 0
     serve_forever(cfg)
     return 0

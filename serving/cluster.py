@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import socket
+from typing import Any
 
 from fusionserve.errors import FusionServeError
 
@@ -17,9 +18,11 @@ class ClusterError(FusionServeError):
     """Ray did not start, or the cluster could not be joined."""
 
 
-def connect(address: str | None = None, quiet: bool = False) -> bool:
+def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[str, Any] | None = None) -> bool:
     """Join Ray or start it; True when this call started it (the caller then shuts it down). ``quiet``: keep Ray's
     and Serve's informational lines (and the token-authentication notice) off the terminal; errors still show.
+    ``runtime_env``: this job's (a ``working_dir`` is uploaded to the cluster and unpacked on each node that runs
+    one of the job's workers).
 
     Raises ClusterError with one line saying what failed, instead of Ray's traceback."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline machine
@@ -32,7 +35,7 @@ def connect(address: str | None = None, quiet: bool = False) -> bool:
         _probe(target)
     try:
         level = logging.ERROR if quiet else logging.INFO
-        ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level)
+        ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level, runtime_env=runtime_env)
     except Exception as exc:  # Ray's start-up raises ConnectionError, RuntimeError, TimeoutError, ValueError, ...
         where = f"join the Ray cluster at {target}" if target else "start a local Ray instance"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason given"

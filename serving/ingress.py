@@ -50,10 +50,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
-    """The environment variables of ``ingress`` (one of INGRESSES, or a benchmark variant). For HAProxy, its
-    config, admin socket and state files go to a private folder (default: a new temporary one), and its stats and
-    Prometheus ports to free ones, so that two servers on one machine never share them.
+def node_env(ingress: str) -> dict[str, str]:
+    """The settings of ``ingress`` that every Ray node must be started with (one of INGRESSES, or a benchmark
+    variant): what a cluster's `ray start` needs, and what a KubeRay pod's environment holds.
 
     Raises FusionServeError for an unknown ingress."""
     if ingress not in VARIANTS:
@@ -61,16 +60,8 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
     kind, throughput = VARIANTS[ingress]
     env = dict(_THROUGHPUT) if throughput else {}
     if kind == "haproxy":
-        folder = workdir or Path(tempfile.mkdtemp(prefix="fs-"))
-        folder.mkdir(parents=True, exist_ok=True)
         env |= {
             "RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "a.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_NBTHREAD": str(min(4, max(1, len(os.sched_getaffinity(0))))),
             # a stopping replica stays open this long so HAProxy can take it out of rotation (HAProxy also retries
             # refused connections on another replica); Serve's 30 s made every Ctrl-C wait half a minute
@@ -78,6 +69,27 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
             # a client silent this long loses its connection (Serve's default, an hour, lets a client that never
             # finishes its body, answered 408 by the replica, hold an HAProxy connection that long)
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
+        }
+    return env
+
+
+def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
+    """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin socket and state files
+    (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
+    Ray nodes) on one machine never share them.
+
+    Raises FusionServeError for an unknown ingress."""
+    env = node_env(ingress)
+    if VARIANTS[ingress][0] == "haproxy":
+        folder = workdir or Path(tempfile.mkdtemp(prefix="fs-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        env |= {
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "a.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
         }
     return env
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import shutil
 import signal
@@ -13,18 +12,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import FusionServeError
 
-from .artifact import load_artifact
-from .batching import BatchLimits
+from .artifact import MANIFEST, load_artifact, sha256
+from .builder import SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
 from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap
-from .runtime import DEVICES, DeviceError, resolve_device
+from .runtime import resolve_device
 
+__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
 APP_NAME = "fusionserve"
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
 _ingress_dir: str | None = None  # HAProxy's config, socket and state files
@@ -32,7 +32,8 @@ _ingress_dir: str | None = None  # HAProxy's config, socket and state files
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``fusionserve serve`` takes; validated here, once."""
+    """Everything ``fusionserve serve`` takes; validated here, once. The application's part goes to the builder
+    (``app_args``); host, ports, ingress and how the artifact reaches the nodes are this process's to set up."""
 
     artifact: Path
     host: str = "127.0.0.1"
@@ -44,125 +45,94 @@ class ServerConfig:
     max_ongoing: int | None = None
     max_inputs: int = 64
     max_body_bytes: int = 1_000_000
-    threads: int | None = None  # per replica; default: this machine's CPUs / replicas
+    threads: int | None = None  # per replica; default: this machine's CPUs / (max) replicas
     device: str = "auto"  # auto | cpu | cuda: see serving/runtime.py
     max_batch_tokens: int = 16384
     ingress: str = INGRESSES[0]  # see serving/ingress.py
     body_timeout_s: float = 10.0
     replace: bool = False  # on a cluster that already runs fusionserve: replace it instead of refusing
+    grpc_port: int | None = None  # Serve's gRPC ingress on this port (see serving/grpc_ingress.py)
+    min_replicas: int | None = None  # with max_replicas: Serve's autoscaling instead of a fixed count
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    ship_artifact: bool = False  # hand the artifact to Ray (runtime env working_dir), which copies it to every node
 
     def __post_init__(self) -> None:
-        checks = {
-            "--port": (self.port, 0 <= self.port <= 65535, "0..65535"),
-            "--replicas": (self.replicas, self.replicas >= 1, ">= 1"),
-            "--max-batch-size": (self.max_batch_size, self.max_batch_size >= 1, ">= 1"),
-            "--batch-wait-ms": (self.batch_wait_ms, 0 <= self.batch_wait_ms <= 10_000, "0..10000"),
-            "--max-queued": (self.max_queued, self.max_queued >= 0, ">= 0"),
-            "--max-inputs": (self.max_inputs, self.max_inputs >= 1, ">= 1"),
-            "--max-body-bytes": (self.max_body_bytes, self.max_body_bytes >= 1024, ">= 1024"),
-            "--max-batch-tokens": (self.max_batch_tokens, self.max_batch_tokens >= 8, ">= 8"),
-            "--body-timeout-s": (self.body_timeout_s, 0 < self.body_timeout_s <= 3600, "0..3600"),
-        }
-        for name, (value, ok, allowed) in checks.items():
-            if not ok:
-                raise FusionServeError(f"{name} = {value} is out of range; allowed: {allowed}")
-        if self.threads is not None and self.threads < 1:
-            raise FusionServeError(f"--threads = {self.threads} is out of range; allowed: >= 1")
-        if self.device not in DEVICES:
-            raise FusionServeError(f"--device = '{self.device}' is not known; allowed: {', '.join(DEVICES)}")
-        if self.max_ongoing is not None and self.max_ongoing < 1:
-            raise FusionServeError(f"--max-ongoing = {self.max_ongoing} is out of range; allowed: >= 1")
+        for name, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise FusionServeError(f"{name} = {port} is out of range; allowed: 0..65535")
+        if self.grpc_port is not None and self.grpc_port == self.port:
+            raise FusionServeError(f"--grpc-port = {self.grpc_port} is the HTTP --port too; give gRPC its own port")
+        check_ranges({f.name: getattr(self, f.name) for f in fields(self)}, flags=True)
         if self.ingress not in VARIANTS:
             raise FusionServeError(f"--ingress = '{self.ingress}' is not known; allowed: {', '.join(INGRESSES)}")
 
-    @property
-    def ongoing_per_replica(self) -> int:
-        """Requests Serve hands a replica at once: by default every request its queue may hold plus a full batch,
-        so the replica's own queue, which answers 503 at once, is what refuses first."""
-        return self.max_ongoing or self.max_queued + self.max_batch_size
-
-    def batch_limits(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_queued, self.batch_wait_ms / 1000)
-
-    @property
-    def threads_per_replica(self) -> int:
-        return self.threads or max(1, len(os.sched_getaffinity(0)) // self.replicas)
-
-
-def placement(device: str, gpus: float, replicas: int) -> tuple[str, float]:
-    """(device each replica runs on, GPUs each reserves) for ``--device`` when Ray sees ``gpus`` GPUs: CUDA
-    replicas spread over the GPUs and share one when there are more replicas than GPUs (Ray gives each replica
-    its GPU through CUDA_VISIBLE_DEVICES). auto falls back to CPU when the CUDA provider or a GPU is missing.
-
-    Raises DeviceError for 'cuda' without the CUDA provider or without a GPU Ray can see."""
-    if resolve_device(device) == "cpu":
-        return "cpu", 0.0
-    whole = int(gpus)
-    if whole < 1:
-        if device == "cuda":
-            raise DeviceError(
-                "--device cuda: onnxruntime has the CUDA provider but Ray sees no GPU on this node or cluster "
-                "(check `nvidia-smi`, CUDA_VISIBLE_DEVICES, and `docker run --gpus all` in a container)"
-            )
-        return "cpu", 0.0
-    return "cuda", 1.0 / math.ceil(replicas / whole)
-
-
-def build_app(cfg: ServerConfig, metrics_dir: str | None = None, gpus: float = 0.0) -> Any:
-    """The Serve application: ``cfg.replicas`` replicas of FusionServe (HTTP, validation, batching, ONNX Runtime,
-    metrics). With ``metrics_dir`` the replicas pool their Prometheus samples there; ``gpus`` is how many GPUs
-    Ray sees (see ``placement``). Raises ArtifactError or DeviceError."""
-    from .app import actor_options, deployment
-    from .schemas import Limits
-
-    artifact = load_artifact(cfg.artifact)  # fail here, with the file's name, not inside a replica
-    if cfg.max_batch_tokens < artifact.max_seq_len:
-        raise FusionServeError(
-            f"--max-batch-tokens = {cfg.max_batch_tokens} cannot hold one input of {artifact.max_seq_len} tokens "
-            f"(the artifact's token limit); allowed: >= {artifact.max_seq_len}"
-        )
-    device, gpus_per_replica = placement(cfg.device, gpus, cfg.replicas)
-    dep = deployment(cfg.replicas, cfg.threads_per_replica, cfg.ongoing_per_replica, cfg.max_queued, gpus_per_replica)
-    if metrics_dir:
-        env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}
-        options = actor_options(cfg.threads_per_replica, gpus_per_replica) | {"runtime_env": {"env_vars": env}}
-        dep = dep.options(ray_actor_options=options)
-    limits = Limits(cfg.max_inputs, cfg.max_body_bytes, cfg.body_timeout_s)
-    return dep.bind(str(cfg.artifact.resolve()), limits, cfg.batch_limits(), cfg.threads_per_replica, device)
+    def app_args(self, **extra: Any) -> AppArgs:
+        """The builder's arguments for this configuration; ``extra`` adds or overrides some (the artifact as the
+        replicas see it, the metrics folder)."""
+        values = {n: getattr(self, n) for n in AppArgs.model_fields if n != "artifact" and hasattr(self, n)}
+        return AppArgs(**({"artifact": str(self.artifact.resolve())} | values | extra))
 
 
 def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> str:
-    """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port, and deploy; returns the base URL. ``say``
-    gets one line per step. Raises FusionServeError (port taken, an application already deployed on the cluster
-    without ``cfg.replace``, an unusable artifact or device) or ClusterError (Ray does not start)."""
+    """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port (and the gRPC port), and deploy the builder's
+    application; returns the base URL. ``say`` gets one line per step. Raises FusionServeError (port taken, an
+    application already deployed on the cluster without ``cfg.replace``, an unusable artifact or device, a loopback
+    --host on a cluster of several machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir
     if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
     # a missing artifact or CUDA provider, or a taken port, fails before Ray starts; how many GPUs there are, Ray tells
-    load_artifact(cfg.artifact, verify=False)
+    artifact = load_artifact(cfg.artifact, verify=False)
     resolve_device(cfg.device)
-    holder = port_holder(cfg.host, cfg.port)
-    if holder is not None:
-        raise FusionServeError(f"port {cfg.port} on {cfg.host} is already in use by {holder}; stop it or choose another --port")
+    for port in (cfg.port, cfg.grpc_port):
+        holder = None if port is None else port_holder(cfg.host, port)
+        if holder is not None:
+            raise FusionServeError(f"port {port} on {cfg.host} is already in use by {holder}; stop it or choose another port")
     # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
     _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
     address = os.environ.get("RAY_ADDRESS")
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
-    connect(quiet=True)
+    # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
+    # job's working_dir to the deployment, and the replicas load the artifact from their working directory
+    connect(quiet=True, runtime_env={"working_dir": str(cfg.artifact)} if cfg.ship_artifact else None)
     import ray
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # importing Serve set it to INFO
     _refuse_to_replace(serve, cfg.replace)
+    _refuse_loopback_on_many_machines(ray, cfg.host)
     _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
-    app = build_app(cfg, _metrics_dir, float(ray.cluster_resources().get("GPU", 0.0)))
-    say(f"deploying {cfg.replicas} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    shipped = {"artifact": ".", "artifact_sha256": sha256(artifact.folder / MANIFEST)} if cfg.ship_artifact else {}
+    app = app_builder(cfg.app_args(metrics_dir=_metrics_dir, **shipped))
+    what = f"{cfg.min_replicas}-{cfg.max_replicas} (autoscaling)" if cfg.max_replicas else str(cfg.replicas)
+    say(f"deploying {what} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
+    serve.start(http_options={"host": cfg.host, "port": cfg.port}, grpc_options=grpc_options(cfg.grpc_port))
     serve.run(app, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
     _wait_routed(url)
     return url
+
+
+def grpc_options(port: int | None) -> dict[str, Any]:
+    """Serve's gRPC options: fusionserve's servicer on ``port``, or none (Serve then starts no gRPC server)."""
+    return {"port": port, "grpc_servicer_functions": [SERVICER]} if port is not None else {}
+
+
+def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
+    """Every node's ingress (HAProxy, or Serve's proxy) reaches replicas on other machines at their node address, and
+    the replicas listen on ``--host``: a loopback address would leave them unreachable from the other machines."""
+    addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    if len(addresses) > 1 and host in ("127.0.0.1", "localhost", "::1"):
+        raise FusionServeError(
+            f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
+            "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
+            "replica ports, see the README's Scaling out)"
+        )
 
 
 def _refuse_to_replace(serve: Any, replace: bool) -> None:
@@ -242,7 +212,10 @@ def serve_forever(cfg: ServerConfig) -> None:
         signal.signal(sig, lambda *_: done.set())
     say(f"serving {cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops")
     try:
-        done.wait()
+        # woken every second: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
+        # the handler only once it wakes (a plain wait() then never returns)
+        while not done.wait(1.0):
+            pass
     finally:
         say("shutting down")
         stop()

@@ -1,0 +1,218 @@
+"""The fusionserve application as a Ray Serve application builder: ``fusionserve.serving.builder:app_builder``.
+
+Stock Ray tools build the application from it with typed arguments (``AppArgs``, validated by pydantic before the
+builder runs)::
+
+    serve run fusionserve.serving.builder:app_builder artifact=/models/art max_batch_size=16
+    serve run fusionserve.yaml          # a config written by `fusionserve serve ART --print-config`
+
+and ``fusionserve serve`` builds its application with the same function. The artifact: an absolute path is read by
+every replica at that path (a shared filesystem, or baked into the image as in deploy/); a relative one is resolved
+in each replica's working directory, which is Ray's copy of the runtime env's ``working_dir`` when there is one (Ray
+unpacks it on every node: ``fusionserve serve --ship-artifact``, ``serve run --working-dir ART ... artifact=.``, or
+``runtime_env: {working_dir: <zip URI>}`` in a config). With ``artifact_sha256`` every replica refuses to start on
+any other artifact.
+
+Note for maintainers: no ``from __future__ import annotations`` here: Serve reads ``app_builder``'s annotation as a
+class to find the pydantic model.
+"""
+
+import math
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from fusionserve.errors import FusionServeError
+
+from .artifact import MANIFEST, load_artifact
+from .batching import BatchLimits
+from .runtime import DEVICES, DeviceError, resolve_device
+from .schemas import Limits
+
+IMPORT_PATH = "fusionserve.serving.builder:app_builder"
+DEPLOYMENT = "fusionserve"
+SERVICER = "fusionserve.serving.fusionserve_pb2_grpc.add_ClassifierServicer_to_server"  # for grpc_options
+
+# name -> (check, what is allowed): shared by the builder's arguments and `fusionserve serve`'s options (--name-like-this)
+RANGES = {
+    "replicas": (lambda v: v >= 1, ">= 1"),
+    "min_replicas": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_replicas": (lambda v: v is None or v >= 1, ">= 1"),
+    "target_ongoing_requests": (lambda v: v > 0, "> 0"),
+    "upscale_delay_s": (lambda v: v >= 0, ">= 0"),
+    "downscale_delay_s": (lambda v: v >= 0, ">= 0"),
+    "look_back_period_s": (lambda v: v > 0, "> 0"),
+    "max_batch_size": (lambda v: v >= 1, ">= 1"),
+    "max_batch_tokens": (lambda v: v >= 8, ">= 8"),
+    "batch_wait_ms": (lambda v: 0 <= v <= 10_000, "0..10000"),
+    "max_queued": (lambda v: v >= 0, ">= 0"),
+    "max_ongoing": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_inputs": (lambda v: v >= 1, ">= 1"),
+    "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
+    "body_timeout_s": (lambda v: 0 < v <= 3600, "0..3600"),
+    "threads": (lambda v: v is None or v >= 1, ">= 1"),
+}
+
+
+def check_ranges(values: dict[str, Any], flags: bool) -> None:
+    """Raise FusionServeError for the first value out of range, named as an option (``--max-batch-size``) when
+    ``flags``, else as a builder argument (``max_batch_size``)."""
+    for name, (ok, allowed) in RANGES.items():
+        if name in values and not ok(values[name]):
+            shown = "--" + name.replace("_", "-") if flags else name
+            raise FusionServeError(f"{shown} = {values[name]} is out of range; allowed: {allowed}")
+    device = values.get("device", "auto")
+    if device not in DEVICES:
+        shown = "--device" if flags else "device"
+        raise FusionServeError(f"{shown} = '{device}' is not known; allowed: {', '.join(DEVICES)}")
+    low, high, fixed = values.get("min_replicas"), values.get("max_replicas"), values.get("replicas", 1)
+    if (low is None) != (high is None):
+        raise FusionServeError(_named("autoscaling needs both min_replicas and max_replicas", flags))
+    if low is not None and high is not None and low > high:
+        raise FusionServeError(_named(f"min_replicas = {low} is above max_replicas = {high}", flags))
+    if high is not None and fixed != 1:
+        raise FusionServeError(_named(f"replicas = {fixed} and max_replicas: choose a fixed count or autoscaling", flags))
+
+
+def _named(text: str, flags: bool) -> str:
+    if not flags:
+        return text
+    for name in ("min_replicas", "max_replicas", "replicas"):
+        text = text.replace(name, "--" + name.replace("_", "-"))
+    return text
+
+
+class AppArgs(BaseModel):
+    """The builder's arguments: everything ``fusionserve serve`` takes that belongs to the application. Where Serve
+    listens (host, ports) is the config's http_options / grpc_options, and the ingress is how Ray's nodes are started
+    (see the README's "Scaling out")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    artifact: str
+    artifact_sha256: str | None = None  # sha256 of the artifact's manifest.json: replicas refuse any other
+    replicas: int = 1
+    min_replicas: int | None = None  # both set: Serve's autoscaling instead of a fixed count
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+    max_batch_size: int = 32
+    max_batch_tokens: int = 16384
+    batch_wait_ms: float = 0.0
+    max_queued: int = 64
+    max_ongoing: int | None = None
+    max_inputs: int = 64
+    max_body_bytes: int = 1_000_000
+    body_timeout_s: float = 10.0
+    threads: int | None = None  # per replica; default: this machine's CPUs / (max) replicas
+    device: str = "auto"
+    metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR of the replicas; default: a fresh folder name
+
+    @model_validator(mode="after")
+    def _in_range(self) -> "AppArgs":
+        check_ranges(self.model_dump(), flags=False)
+        return self
+
+    @property
+    def autoscaling_config(self) -> dict[str, Any] | None:
+        if self.max_replicas is None:
+            return None
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests, "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s, "look_back_period_s": self.look_back_period_s}  # fmt: skip
+
+    @property
+    def most_replicas(self) -> int:
+        return self.max_replicas or self.replicas
+
+    @property
+    def threads_per_replica(self) -> int:
+        return self.threads or max(1, len(os.sched_getaffinity(0)) // self.most_replicas)
+
+    @property
+    def ongoing_per_replica(self) -> int:
+        """Requests Serve hands a replica at once: by default every request its queue may hold plus a full batch,
+        so the replica's own queue, which answers 503 at once, is what refuses first."""
+        return self.max_ongoing or self.max_queued + self.max_batch_size
+
+    def batch_limits(self) -> BatchLimits:
+        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_queued, self.batch_wait_ms / 1000)
+
+
+def placement(device: str, gpus: float | None, replicas: int) -> tuple[str, float]:
+    """(device each replica runs on, GPUs each reserves) for ``device`` when Ray sees ``gpus`` GPUs (None: not known
+    yet, as under `serve run` before it joins Ray: then cuda reserves one GPU per replica and auto means CPU). CUDA
+    replicas spread over the GPUs and share one when there are more replicas than GPUs (Ray gives each replica its
+    GPU through CUDA_VISIBLE_DEVICES). auto falls back to CPU when the CUDA provider or a GPU is missing.
+
+    Raises DeviceError for 'cuda' without the CUDA provider or without a GPU Ray can see."""
+    if resolve_device(device) == "cpu":
+        return "cpu", 0.0
+    if gpus is None:
+        return ("cuda", 1.0) if device == "cuda" else ("cpu", 0.0)
+    whole = int(gpus)
+    if whole < 1:
+        if device == "cuda":
+            raise DeviceError(
+                "--device cuda: onnxruntime has the CUDA provider but Ray sees no GPU on this node or cluster "
+                "(check `nvidia-smi`, CUDA_VISIBLE_DEVICES, and `docker run --gpus all` in a container)"
+            )
+        return "cpu", 0.0
+    return "cuda", 1.0 / math.ceil(replicas / whole)
+
+
+def _cluster_gpus() -> float | None:
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else None
+
+
+def _check_artifact(args: AppArgs) -> None:
+    """Where the builder can read the artifact, fail here with the file's name rather than in every replica; where it
+    cannot (a path only the cluster's nodes have, a runtime env's copy), the replicas check it when they start."""
+    folder = Path(args.artifact)
+    if not (folder / MANIFEST).is_file():
+        return
+    artifact = load_artifact(folder)
+    if args.max_batch_tokens < artifact.max_seq_len:
+        raise FusionServeError(
+            f"max_batch_tokens = {args.max_batch_tokens} cannot hold one input of {artifact.max_seq_len} tokens "
+            f"(the artifact's token limit); allowed: >= {artifact.max_seq_len}"
+        )
+
+
+def app_builder(args: AppArgs) -> Any:
+    """The Serve application for ``args`` (see the module docstring). Raises FusionServeError (an unusable artifact
+    or option) or DeviceError."""
+    from ray import serve
+
+    from .app import FusionServe
+
+    _check_artifact(args)
+    device, gpus = placement(args.device, _cluster_gpus(), args.most_replicas)
+    metrics_dir = args.metrics_dir or str(Path(tempfile.gettempdir()) / f"fusionserve-metrics-{uuid.uuid4().hex[:12]}")
+    options: dict[str, Any] = {
+        "num_cpus": args.threads_per_replica,
+        "runtime_env": {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}},
+    }
+    if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
+        options["num_gpus"] = gpus
+    autoscaling = args.autoscaling_config
+    dep = serve.deployment(
+        FusionServe,
+        name=DEPLOYMENT,
+        num_replicas=None if autoscaling else args.replicas,
+        autoscaling_config=autoscaling,
+        max_ongoing_requests=args.ongoing_per_replica,
+        max_queued_requests=args.max_queued,
+        ray_actor_options=options,
+    )
+    limits = Limits(args.max_inputs, args.max_body_bytes, args.body_timeout_s)
+    artifact = args.artifact if not Path(args.artifact).is_absolute() else str(Path(args.artifact).resolve())
+    return dep.bind(artifact, limits, args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256)

@@ -1,0 +1,130 @@
+"""One classify call, whatever protocol carried it: parse -> validate -> task lookup -> limits -> the scheduler ->
+the answer (for one ``task``, or for several ``tasks`` in one call). The HTTP routes (``app.py``) and the gRPC method (``grpc_ingress.py``) both call ``Classifier``; each
+only reads its request and writes the outcome in its own protocol, so a request is refused for the same reasons,
+with the same message, over either. A refusal is an ``HTTPError`` (status, type, message): gRPC maps the status to
+its own codes. No HTTP framework, no Ray here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from .artifact import Artifact, TaskEntry
+from .batching import Overloaded, Scheduler, TaskResult
+from .metrics import Metrics
+from .predictions import TextInput, label_scores
+from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error
+from .tokenize import Encoder
+
+log = logging.getLogger("ray.serve").getChild("fusionserve")  # in the replica log files, with Serve's own
+
+
+def log_unexpected(where: str, exc: BaseException) -> str:
+    """Log an error of ours with a fresh id; returns the message for the caller, which names that id."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("unexpected error %s in %s", error_id, where, exc_info=exc)
+    return f"unexpected server error (id {error_id}, also in the server log); the request was not processed"
+
+
+def parse_json(body: bytes) -> ClassifyRequest:
+    """A JSON body, parsed and validated in one pass; a body that is not JSON is ``malformed_json``."""
+    try:
+        return ClassifyRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def parse_fields(fields: dict[str, Any]) -> ClassifyRequest:
+    """A request already decoded by its protocol (gRPC), validated by the same model as a JSON body."""
+    try:
+        return ClassifyRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> HTTPError:
+    errors = exc.errors()
+    if errors and errors[0]["type"] == "json_invalid":
+        return HTTPError(422, "malformed_json", describe_json_error(errors[0]["msg"]))
+    return HTTPError(422, "invalid_request", describe_validation_error(exc))
+
+
+def answer(task: str, entry: TaskEntry, result: TaskResult, truncated: list[bool], with_acts: bool) -> dict[str, Any]:
+    """One task's answer as plain data (the JSON body; gRPC copies it into its message)."""
+    preds = [
+        {"label": label, "score": score, "scores": scores, "truncated": bool(cut)}
+        for (label, score, scores), cut in zip(label_scores(entry.labels, result.logits), truncated, strict=True)
+    ]
+    out: dict[str, Any] = {"task": task, "predictions": preds}
+    if with_acts and result.activations is not None:
+        values = [[[round(v, 6) for v in row] for row in per] for per in result.activations.tolist()]
+        out["fusion_activations"] = {"adapters": list(entry.adapters), "values": values}
+    return out
+
+
+class Classifier:
+    """The replica's classify path behind every ingress; records each call in the metrics."""
+
+    def __init__(self, artifact: Artifact, encoder: Encoder, scheduler: Scheduler, limits: Limits, stats: Metrics) -> None:
+        self.artifact, self.encoder, self.scheduler, self.limits, self.stats = artifact, encoder, scheduler, limits, stats
+
+    async def __call__(self, read: Callable[[], Awaitable[ClassifyRequest]], where: str) -> dict[str, Any] | HTTPError:
+        """``read`` gets and parses the request (raising HTTPError for what it refuses); returns the answer (one task's,
+        or ``{"results": [...]}`` for several), or the refusal to send instead. Never raises: an error of ours becomes a
+        500 refusal whose id is in the log."""
+        started = time.perf_counter()
+        task = "-"  # only known task names become metric labels
+        try:
+            req = await read()
+            entries = self._tasks(req.task_names)
+            task = req.task_names[0] if req.task is not None else "multi"
+            inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
+            self._check(req, inputs, entries)
+            try:
+                result = await self.scheduler.submit(req.task_names, inputs)
+            except Overloaded as exc:
+                raise HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later") from None
+            with_acts = req.return_fusion_activations
+            answers = [answer(e.name, e, result.tasks[e.name], result.truncated, with_acts) for e in entries]
+            self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
+            return answers[0] if req.task is not None else {"results": answers}
+        except HTTPError as err:
+            self.stats.observe_rejected(err.reason)
+            self.stats.observe_request(task, err.status, time.perf_counter() - started)
+            return err
+        except Exception as exc:  # a bug or a runtime failure: never a bare failure, always an id to find it in the log
+            self.stats.observe_request(task, 500, time.perf_counter() - started)
+            return HTTPError(500, "internal", log_unexpected(where, exc))
+
+    def _tasks(self, names: list[str]) -> list[TaskEntry]:
+        unknown = [t for t in names if t not in self.artifact.tasks]
+        if unknown:
+            what = f"unknown task '{unknown[0]}'" if len(unknown) == 1 else f"unknown tasks {', '.join(map(repr, unknown))}"
+            raise HTTPError(404, "unknown_task", f"{what}; known tasks: {', '.join(self.artifact.tasks)}")
+        return [self.artifact.tasks[t] for t in names]
+
+    def _check(self, req: ClassifyRequest, inputs: tuple[TextInput, ...], entries: list[TaskEntry]) -> None:
+        """The limits and what the tasks allow, before anything is queued."""
+        rows, limit = len(inputs) * len(entries), self.limits.max_inputs
+        if rows > limit:
+            what = f"{len(inputs)} inputs" if len(entries) == 1 else f"{len(inputs)} inputs x {len(entries)} tasks = {rows}"
+            raise HTTPError(413, "too_many_inputs", f"{what} in one request; the limit is {limit}")
+        if req.strict:
+            lengths = self.encoder.count_tokens(inputs)
+            over = [(i, n) for i, n in enumerate(lengths) if n > self.artifact.max_seq_len]
+            if over:
+                where = ", ".join(f"inputs[{i}] has {n}" for i, n in over[:5])
+                raise HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {self.artifact.max_seq_len} (strict mode)")
+        plain = [e for e in entries if e.kind != "fusion"]
+        if req.return_fusion_activations and plain:
+            raise HTTPError(
+                422,
+                "no_fusion",
+                f"task '{plain[0].name}' has no fusion layer ({plain[0].kind} task); there are no fusion activations",
+            )

@@ -1,0 +1,84 @@
+"""Classify over gRPC (Ray Serve's gRPC ingress, serving/fusionserve.proto): the message is turned into the same
+request model a JSON body is validated with and goes through the same ``Classifier``; a refusal becomes a gRPC
+status code, with the HTTP API's error type in the trailing metadata ``fusionserve-error-type``.
+
+Serve calls the replica's ``Classify`` method with the decoded message and a ``grpc_context`` (Serve's
+RayServegRPCContext: code, details and trailing metadata are sent once the method returns).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from . import fusionserve_pb2 as pb
+from .classify import Classifier, parse_fields
+from .schemas import ClassifyRequest, HTTPError
+
+METHOD = "/fusionserve.v1.Classifier/Classify"
+# the HTTP status of a refusal -> its gRPC code: the caller's mistakes are INVALID_ARGUMENT whatever the HTTP side
+# calls them (the type in the trailer tells them apart), a missing task NOT_FOUND, overload UNAVAILABLE (retry)
+STATUS_CODES = {
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+ERROR_TYPE_KEY = "fusionserve-error-type"
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    """The gRPC code of a refusal with HTTP ``status`` (anything unlisted is INTERNAL)."""
+    return STATUS_CODES.get(status, grpc.StatusCode.INTERNAL)
+
+
+def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
+    """The message as the fields of a JSON body: an input without a pair is a plain text."""
+    inputs: list[Any] = [{"text": i.text, "text_pair": i.text_pair} if i.HasField("text_pair") else i.text for i in msg.inputs]
+    return {"task": msg.task, "inputs": inputs, "return_fusion_activations": msg.return_fusion_activations,
+            "strict": msg.strict}  # fmt: skip
+
+
+def response_message(answer: dict[str, Any], labels: tuple[str, ...]) -> pb.ClassifyResponse:
+    """The answer (classify.answer's data) as the proto message; scores in ``labels`` order."""
+    out = pb.ClassifyResponse(task=answer["task"], labels=labels)
+    for p in answer["predictions"]:
+        out.predictions.append(
+            pb.Prediction(
+                label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
+            )
+        )
+    acts = answer.get("fusion_activations")
+    if acts is not None:
+        values = acts["values"]  # per input, per layer, per adapter
+        flat = [v for per_input in values for layer in per_input for v in layer]
+        out.fusion_activations.CopyFrom(
+            pb.FusionActivations(adapters=acts["adapters"], layers=len(values[0]) if values else 0, values=flat)
+        )
+    return out
+
+
+async def classify_grpc(core: Classifier, msg: pb.ClassifyRequest, context: Any, where: dict[str, str]) -> pb.ClassifyResponse:
+    """One ``Classify`` call on ``core``; a refusal sets the code, details and trailer on ``context`` and answers an
+    empty message (gRPC sends only the status then). ``where`` (replica, node) goes into the trailer as well."""
+    limit = core.limits.max_body_bytes
+
+    async def read() -> ClassifyRequest:
+        size = msg.ByteSize()
+        if size > limit:  # the same limit as an HTTP body's
+            raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
+        return parse_fields(request_fields(msg))
+
+    outcome = await core(read, METHOD)
+    trailer = [(f"fusionserve-{k}", v) for k, v in where.items()]
+    if isinstance(outcome, HTTPError):
+        if context is not None:
+            context.set_code(grpc_code(outcome.status))
+            context.set_details(outcome.message)
+            context.set_trailing_metadata([(ERROR_TYPE_KEY, outcome.reason), *trailer])
+        return pb.ClassifyResponse()
+    if context is not None:
+        context.set_trailing_metadata(trailer)
+    return response_message(outcome, core.artifact.tasks[outcome["task"]].labels)

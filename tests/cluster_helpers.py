@@ -1,0 +1,150 @@
+"""A Ray cluster of real nodes on this one machine, as Ray's own tests build one: ``ray start --head`` and
+``ray start --address`` with their own resources, every port chosen free (other servers and other engineers' Ray
+instances share the machine), each node with its own temp dir and its own HAProxy files and ports. Stopping a node
+here is a crash: SIGKILL to every process of that node (never ``ray stop``, which stops every Ray on the machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusionserve.serving.ingress import free_port, ingress_env
+from tests.serving_helpers import descendants
+
+RAY = str(Path(sys.executable).with_name("ray"))
+SERVE = str(Path(sys.executable).with_name("serve"))
+
+
+@dataclass
+class Node:
+    name: str
+    temp_dir: Path  # short, under /tmp: Ray's socket paths below it must stay under 107 characters
+    env: dict[str, str]
+    address: str = ""  # the cluster's GCS address (the head's)
+    http_port: int = 0  # this node's HAProxy HTTP port
+    grpc_port: int = 0
+    patterns: list[str] = field(default_factory=list)  # strings in the command line of this node's processes
+
+
+# Ray's token authentication, on for these clusters whatever this machine's ~/.ray holds: every node and every
+# driver (serve run, fusionserve serve, the queries below) carries the same token
+AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def _env(haproxy_dir: Path) -> dict[str, str]:
+    return dict(os.environ, **ingress_env("haproxy", haproxy_dir), **AUTH, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+
+
+def _ray_start(node: Node, *args: str) -> None:
+    ports = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]  # fmt: skip
+    cmd = [RAY, "start", "--temp-dir", str(node.temp_dir), "--disable-usage-stats", *args]
+    for flag in ports:
+        cmd += [flag, str(free_port())]
+    done = subprocess.run(cmd, env=node.env, capture_output=True, text=True, timeout=240, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"ray start for the {node.name} node failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
+def start_head(cpus: int, http_port: int, grpc_port: int) -> Node:
+    """The head node: the GCS, HAProxy on ``http_port`` / ``grpc_port`` (the ports Serve's config names)."""
+    temp = Path(tempfile.mkdtemp(prefix="fsr-", dir="/tmp"))
+    node = Node("head", temp, _env(temp / "haproxy"), http_port=http_port, grpc_port=grpc_port, patterns=[str(temp)])
+    port = free_port()
+    node.address = f"{_node_ip()}:{port}"
+    _ray_start(node, "--head", "--port", str(port), "--num-cpus", str(cpus), "--resources", json.dumps({"head": 1}),
+               "--include-dashboard", "false", "--dashboard-port", str(free_port()),
+               "--ray-client-server-port", str(free_port()))  # fmt: skip
+    return node
+
+
+def start_worker(head: Node, cpus: int) -> Node:
+    """A worker node joining ``head``, with its own HAProxy ports (Serve's per-worker-node override)."""
+    temp = Path(tempfile.mkdtemp(prefix="fsr-", dir="/tmp"))
+    http, grpc_port = free_port(), free_port()
+    env = _env(temp / "haproxy") | {
+        "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(http),
+        "RAY_SERVE_WORKER_PROXY_GRPC_PORT": str(grpc_port),
+    }
+    node = Node("worker", temp, env, head.address, http, grpc_port, [str(temp)])
+    _ray_start(node, "--address", head.address, "--num-cpus", str(cpus), "--resources", json.dumps({"worker": 1}))
+    return node
+
+
+def processes(node: Node) -> set[int]:
+    """Every process of ``node``: those naming its temp dir (raylet, GCS, agents, log monitor) or its HAProxy folder,
+    and everything below them (workers, replicas, HAProxy)."""
+    roots = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if any(p in cmdline for p in node.patterns):
+            roots.add(int(entry.name))
+    return roots.union(*(descendants(pid) for pid in roots)) if roots else set()
+
+
+def kill(node: Node) -> int:
+    """SIGKILL every process of ``node`` at once (a crashed machine); returns how many there were."""
+    pids = processes(node)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and processes(node):
+        time.sleep(0.2)
+    return len(pids)
+
+
+def ray_query(address: str, code: str, timeout: float = 120) -> object:
+    """Run ``code`` (which sets ``out``) in a driver connected to the cluster; returns ``out`` (JSON)."""
+    script = (
+        "import json, ray\n"
+        f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n"
+        f"{code}\n"
+        "print('RESULT=' + json.dumps(out))\n"
+    )
+    env = dict(os.environ, **AUTH, RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT=")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"query failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT="))
+
+
+def node_ids(address: str) -> dict[str, str]:
+    """Node id -> 'head' or 'worker' (by the marker resource each was started with), for the live nodes."""
+    code = "out = {n['NodeID']: ('head' if 'head' in n['Resources'] else 'worker') for n in ray.nodes() if n['Alive']}"
+    result = ray_query(address, code)
+    assert isinstance(result, dict)
+    return result
+
+
+def replica_counts(address: str, app: str = "fusionserve") -> dict[str, int]:
+    """Serve's replica states of the application's deployment, e.g. {'RUNNING': 2}."""
+    code = (
+        "from ray import serve\n"
+        f"st = serve.status().applications[{app!r}]\n"
+        "out = {k.value if hasattr(k, 'value') else str(k): v for d in st.deployments.values() for k, v in d.replica_states.items()}"
+    )
+    result = ray_query(address, code)
+    assert isinstance(result, dict)
+    return result
+
+
+def _node_ip() -> str:
+    """The address Ray gives this machine's nodes (and drivers expect the GCS at): the route to the outside, as
+    Ray finds it."""
+    from ray.util import get_node_ip_address
+
+    return get_node_ip_address()

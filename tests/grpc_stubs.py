@@ -1,0 +1,45 @@
+"""The gRPC stubs of serving/fusionserve.proto, generated with grpcio-tools (the dev extra pins its version).
+
+The generated files are committed (the package then installs and runs with grpcio and protobuf only, and the
+Docker images need no code generator); ``python -m tests.grpc_stubs`` regenerates them after a change to the
+.proto, and tests/test_grpc_stubs.py checks that the committed files are what the .proto generates.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROTO = ROOT / "serving" / "fusionserve.proto"
+GENERATED = ("fusionserve_pb2.py", "fusionserve_pb2.pyi", "fusionserve_pb2_grpc.py")
+
+
+def generate(out: Path) -> dict[str, str]:
+    """Run protoc (grpcio-tools) on the .proto as the installed package names it (fusionserve/serving/...), so the
+    generated code imports ``fusionserve.serving.fusionserve_pb2``; returns file name -> text."""
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "fusionserve" / "serving"
+        src.mkdir(parents=True)
+        shutil.copy(PROTO, src / PROTO.name)
+        args = ["protoc", f"-I{tmp}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}",
+                f"fusionserve/serving/{PROTO.name}"]  # fmt: skip
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO}")
+    return {name: (out / "fusionserve" / "serving" / name).read_text() for name in GENERATED}
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in generate(Path(tmp)).items():
+            (ROOT / "serving" / name).write_text(text)
+            print(f"wrote serving/{name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

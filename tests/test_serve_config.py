@@ -1,0 +1,182 @@
+"""Stock Ray tools: a config written by ``fusionserve serve --print-config`` deployed with Ray's own ``serve run``
+onto a cluster started with ``ray start --head`` (and the ingress settings the config's header names). Then, against
+that deployment: HTTP and gRPC give the same answers and refuse the same requests for the same reasons (gRPC status
+codes), and Serve's autoscaling adds a replica under load and removes it when the load is gone."""
+
+import io
+import json
+import subprocess
+import threading
+import time
+import urllib.request
+from contextlib import redirect_stdout
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from fusionserve.cli.main import main
+from fusionserve.export.artifact import export_artifact
+from fusionserve.serving import fusionserve_pb2 as pb
+from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
+from fusionserve.serving.grpc_ingress import ERROR_TYPE_KEY, grpc_code
+from fusionserve.serving.ingress import free_port
+from tests import cluster_helpers as ch
+from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.serving_helpers import call
+from tests.test_serving_e2e import BAD, MAX_BODY, MAX_INPUTS
+
+pytestmark = pytest.mark.slow
+LIMITS = ["--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "--max-batch-size", "4", "--threads", "1"]
+SCALING = ["--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay-s", "1",
+           "--downscale-delay-s", "4", "--look-back-period-s", "2"]  # fmt: skip
+METADATA = (("application", "fusionserve"),)
+
+
+@pytest.fixture(scope="module")
+def deployed(built_st, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-config")
+    art = folder / "art"
+    export_artifact(built_st.spec, art, max_seq_len=32, progress=False)
+    head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port())
+    try:
+        out = io.StringIO()
+        with redirect_stdout(out):
+            argv = ["serve", str(art), "--port", str(head.http_port), "--grpc-port", str(head.grpc_port), *LIMITS, *SCALING]
+            assert main([*argv, "--print-config"]) == 0
+        config = folder / "fusionserve.yaml"
+        config.write_text(out.getvalue())
+        ServeDeploySchema.model_validate(yaml.safe_load(config.read_text()))  # Serve's own schema
+        run = [ch.SERVE, "run", str(config), "--address", head.address, "--non-blocking"]
+        done = subprocess.run(run, env=head.env, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        url = f"http://127.0.0.1:{head.http_port}"
+        _wait_answering(url + "/v1/tasks", 240)
+        channel = grpc.insecure_channel(f"127.0.0.1:{head.grpc_port}")
+        yield url, pb_grpc.ClassifierStub(channel), head
+        channel.close()
+    finally:
+        ch.kill(head)
+
+
+def _wait_answering(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if call(url, timeout=5)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def _message(body: dict) -> pb.ClassifyRequest:
+    inputs = [pb.Input(text=i) if isinstance(i, str) else pb.Input(**i) for i in body["inputs"]]
+    return pb.ClassifyRequest(task=body["task"], inputs=inputs, strict=body.get("strict", False),
+                              return_fusion_activations=body.get("return_fusion_activations", False))  # fmt: skip
+
+
+def _fits_the_proto(body: dict) -> bool:
+    """Refusals the proto can carry at all (a text that is a number, or an unknown field, cannot be sent)."""
+    known = {"task", "inputs", "strict", "return_fusion_activations"}
+    texts = all(isinstance(i, str) or (isinstance(i, dict) and set(i) <= {"text", "text_pair"}) for i in body["inputs"])
+    return set(body) <= known and texts
+
+
+def test_grpc_and_http_answer_alike(deployed):
+    url, stub, _ = deployed
+    body = {
+        "task": "rte",
+        "inputs": [SENTENCES[0], {"text": PAIRS[0][0], "text_pair": PAIRS[0][1]}],
+        "return_fusion_activations": True,
+    }
+    status, http = call(url + "/v1/classify", body)
+    assert status == 200, http
+    got, rpc = stub.Classify.with_call(_message(body), metadata=METADATA, timeout=30)
+    assert rpc.code() == grpc.StatusCode.OK and got.task == "rte"
+    assert list(got.labels) == list(http["predictions"][0]["scores"])
+    for mine, theirs in zip(got.predictions, http["predictions"], strict=True):
+        assert (mine.label, mine.truncated) == (theirs["label"], theirs["truncated"])
+        assert mine.score == pytest.approx(theirs["score"]) and list(mine.scores) == pytest.approx(
+            list(theirs["scores"].values())
+        )
+    acts = np.asarray(http["fusion_activations"]["values"])  # (inputs, layers, adapters)
+    assert list(got.fusion_activations.adapters) == http["fusion_activations"]["adapters"]
+    assert got.fusion_activations.layers == acts.shape[1]
+    np.testing.assert_allclose(np.asarray(got.fusion_activations.values).reshape(acts.shape), acts)
+    trailer = dict(rpc.trailing_metadata())
+    assert trailer["fusionserve-replica"] and trailer["fusionserve-node"]
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "status", "message"),
+    [b for b in BAD if _fits_the_proto(b[1])],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_grpc_refuses_what_http_refuses_with_the_same_message(deployed, what, body, status, message):
+    url, stub, _ = deployed
+    http_status, http = call(url + "/v1/classify", body)
+    assert http_status == status, http
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Classify(_message(body), metadata=METADATA, timeout=30)
+    assert err.value.code() == grpc_code(status) != grpc.StatusCode.OK
+    assert err.value.details() == http["error"]["message"] and message in err.value.details()
+    assert dict(err.value.trailing_metadata())[ERROR_TYPE_KEY] == http["error"]["type"]
+
+
+def test_grpc_message_over_the_size_limit_is_refused(deployed):
+    _, stub, _ = deployed
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Classify(pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="x" * MAX_BODY)]), metadata=METADATA, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"the limit is {MAX_BODY}" in err.value.details()
+    assert dict(err.value.trailing_metadata())[ERROR_TYPE_KEY] == "body_too_large"
+
+
+def _load(url: str, stop: threading.Event, clients: int, seen: dict[str, int]) -> list[threading.Thread]:
+    body = json.dumps({"task": "rte", "inputs": [SENTENCES[1]]}).encode()
+
+    def client() -> None:
+        while not stop.is_set():
+            req = urllib.request.Request(url + "/v1/classify", body, {"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    replica = resp.headers.get("x-fusionserve-replica", "-")
+                    seen[replica] = seen.get(replica, 0) + 1
+            except OSError:  # a replica starting or stopping: the load goes on
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait_replicas(address: str, running: int, timeout_s: float) -> tuple[float, dict[str, int]]:
+    started = time.monotonic()
+    states: dict[str, int] = {}
+    while time.monotonic() - started < timeout_s:
+        states = ch.replica_counts(address)
+        if states.get("RUNNING", 0) == running and len(states) == 1:
+            return time.monotonic() - started, states
+        time.sleep(1)
+    pytest.fail(f"not {running} running replica(s) within {timeout_s:.0f} s: {states}")
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(deployed):
+    url, _, head = deployed
+    _wait_replicas(head.address, 1, 120)  # min_replicas while idle
+    stop, seen = threading.Event(), {}
+    threads = _load(url, stop, 6, seen)
+    try:
+        up_s, _ = _wait_replicas(head.address, 2, 150)
+        time.sleep(3)  # the new replica takes its share of the load
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(40)
+    assert len(seen) == 2, seen  # both replicas answered
+    down_s, _ = _wait_replicas(head.address, 1, 150)
+    print(f"autoscaling: 1 -> 2 replicas {up_s:.0f} s into the load, back to 1 {down_s:.0f} s after it stopped; answers {seen}")
