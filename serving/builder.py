@@ -19,6 +19,7 @@ class to find the pydantic model.
 
 import math
 import os
+import re
 import tempfile
 import uuid
 from pathlib import Path
@@ -79,11 +80,12 @@ def check_ranges(values: dict[str, Any], flags: bool) -> None:
 
 
 def _named(text: str, flags: bool) -> str:
-    if not flags:
-        return text
-    for name in ("min_replicas", "max_replicas", "replicas"):
-        text = text.replace(name, "--" + name.replace("_", "-"))
-    return text
+    """``text`` with its argument names written as options (``--min-replicas``) when ``flags``."""
+    return (
+        re.sub(r"\b(min_replicas|max_replicas|replicas)\b", lambda m: "--" + m.group(1).replace("_", "-"), text)
+        if flags
+        else text
+    )
 
 
 class AppArgs(BaseModel):

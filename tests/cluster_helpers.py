@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,8 +95,9 @@ def processes(node: Node) -> set[int]:
     return roots.union(*(descendants(pid) for pid in roots)) if roots else set()
 
 
-def kill(node: Node) -> int:
-    """SIGKILL every process of ``node`` at once (a crashed machine); returns how many there were."""
+def kill(node: Node, remove: bool = False) -> int:
+    """SIGKILL every process of ``node`` at once (a crashed machine); returns how many there were. ``remove``: also
+    delete the node's temp dir (logs, sockets, runtime-env copies) once its processes are gone."""
     pids = processes(node)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -103,6 +105,8 @@ def kill(node: Node) -> int:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and processes(node):
         time.sleep(0.2)
+    if remove:
+        shutil.rmtree(node.temp_dir, ignore_errors=True)
     return len(pids)
 
 

@@ -58,7 +58,7 @@ def deployed(built_st, tmp_path_factory):
         yield url, pb_grpc.ClassifierStub(channel), head
         channel.close()
     finally:
-        ch.kill(head)
+        ch.kill(head, remove=True)
 
 
 def _wait_answering(url: str, timeout_s: float) -> None:

@@ -1,0 +1,148 @@
+"""Multi-node, really run: a Ray cluster of two nodes on this machine (``ray start --head`` and ``ray start
+--address`` with their own CPUs, temp dirs and HAProxy ports). ``fusionserve serve --ship-artifact`` joins it, the
+artifact reaches the worker through Ray's runtime env, and replicas run on both nodes (by the node id each answer
+carries). Under light load the worker node is killed (SIGKILL to all of its processes): serving goes on with no
+request lost (a client retries a request whose connection broke, as any client of a cluster must). Before that,
+``score --ray-address`` on the same cluster writes exactly what a local run writes."""
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import pytest
+
+from fusionserve.export.artifact import export_artifact
+from fusionserve.serving.ingress import free_port
+from tests import cluster_helpers as ch
+from tests.adapterhub_models import SENTENCES
+from tests.serving_helpers import Served, stop
+
+pytestmark = pytest.mark.slow
+CLIENTS = 3
+PAUSE_S = 0.1  # light load: each client waits this long between requests (about 25 requests/s in all here)
+
+
+@pytest.fixture(scope="module")
+def cluster(built_st, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cluster")
+    art = folder / "art"
+    export_artifact(built_st.spec, art, max_seq_len=32, progress=False)
+    head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port())
+    nodes = [head]
+    try:
+        nodes.append(ch.start_worker(head, cpus=2))
+        yield folder, art, head, nodes[1]
+    finally:
+        for node in reversed(nodes):
+            ch.kill(node, remove=True)
+
+
+def test_score_on_the_cluster_writes_what_a_local_run_writes(cluster):
+    folder, art, head, _ = cluster
+    rows = folder / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "text": SENTENCES[i % len(SENTENCES)] + f" ({i})"}) + "\n" for i in range(40)))
+    outputs = {}
+    for how, extra in (("local", []), ("cluster", ["--ray-address", head.address, "--ray-actors", "2"])):
+        out = folder / f"scored-{how}.jsonl"
+        cmd = [sys.executable, "-m", "fusionserve.cli.main", "score", str(art), "--task", "rte", "--input", str(rows),
+               "--output", str(out), "--all-scores", "--batch-size", "8", "--chunk-size", "16", *extra]  # fmt: skip
+        done = subprocess.run(cmd, env=head.env, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[how] = out.read_bytes()
+    assert outputs["cluster"] == outputs["local"] and outputs["local"].count(b"\n") == 40
+
+
+@dataclass
+class Tally:
+    answered: list[tuple[float, float, str]] = field(default_factory=list)  # (sent, answered, node), per request
+    retried: int = 0  # requests that needed more than one attempt
+    lost: list[str] = field(default_factory=list)  # requests never answered 200, with the last failure
+
+
+def _client(url: str, stop_at: float, tally: Tally, lock: threading.Lock) -> None:
+    body = json.dumps({"task": "rte", "inputs": [SENTENCES[0]]}).encode()
+    while time.monotonic() < stop_at:
+        sent, attempts, last = time.monotonic(), 0, ""
+        while time.monotonic() - sent < 30:  # a request is lost only if no attempt succeeds within 30 s
+            attempts += 1
+            req = urllib.request.Request(url, body, {"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    node = resp.headers.get("x-fusionserve-node", "-")
+                    with lock:
+                        tally.answered.append((sent, time.monotonic(), node))
+                        tally.retried += attempts > 1
+                    break
+            except (urllib.error.URLError, OSError) as exc:  # broken connection, 502/503 during the failover
+                last = f"{type(exc).__name__}: {exc}"
+                time.sleep(0.1)
+        else:
+            with lock:
+                tally.lost.append(last)
+        time.sleep(PAUSE_S)
+
+
+def _launch(art, head, log) -> Served:
+    env = head.env | {"RAY_ADDRESS": head.address}
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(art), "--port", str(head.http_port), "--grpc-port",
+           str(head.grpc_port), "--replicas", "2", "--threads", "1", "--ship-artifact"]  # fmt: skip
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 300
+    while "fusionserve: serving" not in log.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server not serving:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    return Served(f"http://127.0.0.1:{head.http_port}", head.http_port, proc, log)
+
+
+def test_replicas_on_both_nodes_and_serving_survives_the_worker_node(cluster, tmp_path):
+    _, art, head, worker = cluster
+    served = _launch(art, head, tmp_path / "serve.log")
+    try:
+        ids = ch.node_ids(head.address)
+        assert sorted(ids.values()) == ["head", "worker"], ids
+        # the worker's replica loaded Ray's copy of the artifact, unpacked under that node's own temp dir
+        copies = [p for p in worker.temp_dir.glob("session_*/runtime_resources/working_dir_files/*/manifest.json")]
+        assert copies, f"no copy of the artifact under {worker.temp_dir}"
+        tally, lock = Tally(), threading.Lock()
+        url = served.url + "/v1/classify"
+        started = time.monotonic()
+        threads = [threading.Thread(target=_client, args=(url, started + 40, tally, lock)) for _ in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        time.sleep(12)
+        before = {ids.get(node, node) for _, _, node in list(tally.answered)}
+        killed_at = time.monotonic()
+        killed = ch.kill(worker)
+        for t in threads:
+            t.join(120)
+        after = [(s, a, ids.get(n, n)) for s, a, n in tally.answered if s > killed_at + 5]
+        window = _outage(tally, killed_at)
+        print(
+            f"\n2-node failover: {len(tally.answered)} answered, {len(tally.lost)} lost, {tally.retried} retried; "
+            f"{killed} worker processes killed; answers came from {sorted(before)} before, {sorted({n for *_, n in after})} "
+            f"after; longest gap between answers after the kill {window['gap_s']:.2f} s, slowest request spanning it "
+            f"{window['slowest_s']:.2f} s"
+        )
+        assert before == {"head", "worker"}, before  # both nodes' replicas answered
+        assert tally.lost == [], tally.lost[:3]
+        assert after and {n for *_, n in after} == {"head"}  # the worker is gone; the head serves alone
+    finally:
+        stop(served)
+        assert served.proc.returncode == 0, served.log.read_text()[-2000:]
+
+
+def _outage(tally: Tally, killed_at: float) -> dict[str, float]:
+    """The longest time no request was answered, from the kill on, and the slowest request sent around it."""
+    ends = sorted([killed_at] + [a for _, a, _ in tally.answered if a >= killed_at])
+    gap = max((b - a for a, b in itertools.pairwise(ends)), default=0.0)
+    spanning = [a - s for s, a, _ in tally.answered if s <= killed_at + gap and a >= killed_at]
+    return {"gap_s": gap, "slowest_s": max(spanning, default=0.0)}
