@@ -56,6 +56,7 @@ RANGES = {
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
     "body_timeout_s": (lambda v: 0 < v <= 3600, "0..3600"),
     "threads": (lambda v: v is None or v >= 1, ">= 1"),
+    "gpus_per_replica": (lambda v: v is None or 0 < v <= 8, "0..8"),
 }
 
 
@@ -114,6 +115,7 @@ class AppArgs(BaseModel):
     body_timeout_s: float = 10.0
     threads: int | None = None  # per replica; default: this machine's CPUs / (max) replicas
     device: str = "auto"
+    gpus_per_replica: float | None = None  # GPUs each CUDA replica reserves; default: spread over the GPUs Ray sees now
     metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR of the replicas; default: a fresh folder name
 
     @model_validator(mode="after")
@@ -197,7 +199,12 @@ def app_builder(args: AppArgs) -> Any:
     from .app import FusionServe
 
     _check_artifact(args)
-    device, gpus = placement(args.device, _cluster_gpus(), args.most_replicas)
+    if args.gpus_per_replica is not None and resolve_device(args.device) == "cuda":
+        # fixed, as a cluster whose GPU nodes join later (an autoscaling KubeRay group) needs: Ray holds a replica
+        # until a node with a free GPU is there
+        device, gpus = "cuda", args.gpus_per_replica
+    else:
+        device, gpus = placement(args.device, _cluster_gpus(), args.most_replicas)
     metrics_dir = args.metrics_dir or str(Path(tempfile.gettempdir()) / f"fusionserve-metrics-{uuid.uuid4().hex[:12]}")
     options: dict[str, Any] = {
         "num_cpus": args.threads_per_replica,

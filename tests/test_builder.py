@@ -93,12 +93,14 @@ def test_print_config_is_a_serve_config_whose_args_the_builder_takes(artifact):
     assert dep._deployment_config.autoscaling_config.max_replicas == 3 and dep.init_args[2].max_batch_size == 16
 
 
-def test_placement_when_ray_is_not_joined_yet(monkeypatch):
+def test_placement_when_ray_is_not_joined_yet(artifact, monkeypatch):
     import onnxruntime as ort
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert placement("cuda", None, 3) == ("cuda", 1.0)  # `serve run module:app_builder`: one GPU each, Ray places them
     assert placement("auto", None, 3) == ("cpu", 0.0)  # unknown GPUs: auto stays on CPU
+    dep = _build({"artifact": str(artifact), "device": "cuda", "gpus_per_replica": 0.5, "min_replicas": 1, "max_replicas": 8})
+    assert dep.ray_actor_options["num_gpus"] == 0.5 and dep.init_args[4] == "cuda"  # fixed, whatever GPUs Ray sees now
 
 
 def test_grpc_stubs_are_what_the_proto_generates(tmp_path):
