@@ -2,12 +2,15 @@
 
     python -m benchmarks.load [ARTIFACT] [--ingress haproxy proxy haproxy-default proxy-throughput]
                               [--clients 1 4 16 64] [--seconds 15] [--texts rotten_tomatoes] [--soak SECONDS]
+                              [--grpc-rounds 10]
 
 ARTIFACT defaults to the built-in model. For each ingress a fresh ``fusionserve serve`` (Ray reads its settings
 when it starts) gets, after a warm-up, closed-loop clients (each sends its next request when the last one
 answered, one real sentence per request, keep-alive) for ``--seconds`` per client count; p50/p95/p99, throughput,
 errors, lost requests and the mean batch the server formed are recorded. With an HAProxy ingress the replica's
-own port is measured too (1 client): what the replica costs without the ingress. Then a burst of simultaneous
+own port is measured too (1 client): what the replica costs without the ingress. Each server also serves gRPC
+(Serve's gRPC ingress): ``--grpc-rounds`` rounds of 1-client HTTP and 1-client gRPC runs alternate against it, so
+the two protocols' p50 are compared in one run (``benchmarks/grpcload.py``). Then a burst of simultaneous
 requests far past the queue limit (how fast the excess is refused), and the time Ctrl-C takes. Beside them: a
 bare uvicorn + FastAPI echo app (the floor of any Python HTTP server here) and the same texts through ONNX
 Runtime in-process. ``--soak`` adds a long run at 16 clients with the memory of every server process at its
@@ -26,10 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import servers
+from benchmarks import grpcload, servers
 from benchmarks.httpload import burst, closed_loop
 from benchmarks.load_report import markdown, plot
 from benchmarks.report import machine, record
+from fusionserve.serving.ingress import free_port
 
 HERE = Path(__file__).parent
 FALLBACK_TEXTS = [
@@ -79,8 +83,9 @@ def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[in
 def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[str], logs: Path) -> dict:
     """One fresh server with ``ingress``: every client count, the replica's own port, a burst, and Ctrl-C."""
     body = servers.body_maker(task, texts)
+    grpc_port = free_port() if args.grpc_rounds else None
     server = servers.start_fusionserve(
-        args.artifact, args.port, ingress, logs, args.replicas, args.device, args.max_batch_size, args.threads
+        args.artifact, args.port, ingress, logs, args.replicas, args.device, args.max_batch_size, args.threads, grpc_port
     )
     print(f"load: {ingress} up in {server.started_s:.1f} s", file=sys.stderr)
     out: dict = {"startup_s": round(server.started_s, 1), "rows": []}
@@ -93,6 +98,13 @@ def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[s
             row["mean_batch"] = round((after[0] - before[0]) / max(after[1] - before[1], 1), 2)
             out["rows"].append(row)
             print(f"  {ingress}, {clients} clients: {row}", file=sys.stderr)
+        if grpc_port is not None:
+            message = grpcload.messages(task, texts)
+            grpcload.closed_loop_grpc(grpc_port, message, 1, 2.0)  # warm-up: the channel, the replica's gRPC server
+            out["grpc_vs_http"] = grpcload.grpc_vs_http(
+                server.port, grpc_port, body, message, args.grpc_rounds, args.grpc_seconds
+            )
+            print(f"  {ingress}, gRPC vs HTTP at 1 client: {out['grpc_vs_http']}", file=sys.stderr)
         ports = servers.replica_ports(server.proc.pid) if ingress.startswith("haproxy") else []
         if ports:
             out["replica_port"] = closed_loop(ports[0], "/v1/classify", body, 1, args.seconds)
@@ -150,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--burst", type=int, default=300, help="simultaneous requests of the overload burst")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of a soak run at 16 clients (0: none)")
+    p.add_argument("--grpc-rounds", type=int, default=10, help="rounds of 1-client HTTP vs gRPC runs per server (0: no gRPC)")
+    p.add_argument("--grpc-seconds", type=float, default=3.0, help="seconds of each run in those rounds")
     p.add_argument("--render-only", action="store_true", help="redo table and plot from the recorded results/load.json")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")

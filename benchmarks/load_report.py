@@ -68,6 +68,27 @@ def _targets(r: dict[str, Any], name: str) -> list[str]:
     return out
 
 
+def _grpc(r: dict[str, Any]) -> list[str]:
+    """gRPC beside HTTP: 1 client each, runs alternating against the same server (target: gRPC p50 <= HTTP p50)."""
+    lines = [
+        "gRPC vs HTTP, 1 client, the same server, runs alternating (target: gRPC p50 <= HTTP p50):",
+        "",
+        "| ingress | rounds x s | HTTP p50 (ms, median of rounds) | gRPC p50 (ms) | gRPC / HTTP (median of per-round ratios) | errors HTTP / gRPC | target |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for name, v in r["ingress"].items():
+        g = v.get("grpc_vs_http")
+        if not g:
+            continue
+        ok = g["ratio_p50_median"] <= 1.0
+        lines.append(
+            f"| {name} | {g['rounds']} x {g['seconds_per_run']:g} | {g['http']['p50_ms_median_of_rounds']} | "
+            f"{g['grpc']['p50_ms_median_of_rounds']} | {g['ratio_p50_median']} | {g['http']['errors']} / {g['grpc']['errors']} | "
+            f"{'met' if ok else 'NOT met'} |"
+        )
+    return lines
+
+
 def _soak(s: dict[str, Any]) -> list[str]:
     start, end = sum(s["rss_start_mb"].values()), sum(s["rss_end_mb"].values())
     rps = [m["throughput_rps"] for m in s["minutes"]]
@@ -108,6 +129,8 @@ def markdown(r: dict[str, Any]) -> str:
         ]
         lines += ["|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *[_row(x) for x in v["rows"]]]
     lines += ["", *_targets(r, next(iter(r["ingress"])))]
+    if any("grpc_vs_http" in v for v in r["ingress"].values()):
+        lines += ["", *_grpc(r)]
     if "soak" in r:
         lines += ["", *_soak(r["soak"])]
     return "\n".join(lines)

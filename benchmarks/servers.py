@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from fusionserve.serving.server import ServerConfig, serve_forever
 threads = int(sys.argv[7]) or None
+grpc_port = int(sys.argv[8]) or None
 serve_forever(ServerConfig(Path(sys.argv[1]), port=int(sys.argv[2]), ingress=sys.argv[3], replicas=int(sys.argv[4]),
-                           device=sys.argv[5], max_batch_size=int(sys.argv[6]), threads=threads))
+                           device=sys.argv[5], max_batch_size=int(sys.argv[6]), threads=threads, grpc_port=grpc_port))
 """
 
 
@@ -74,11 +75,13 @@ def start_fusionserve(
     device: str = "cpu",
     max_batch_size: int = 32,
     threads: int | None = None,
+    grpc_port: int | None = None,
 ) -> Server:
-    """``threads``: ONNX Runtime threads per replica (None: the server's default, CPUs / replicas)."""
+    """``threads``: ONNX Runtime threads per replica (None: the server's default, CPUs / replicas); ``grpc_port``:
+    Serve's gRPC ingress there too."""
     log = logs / f"serve-{ingress}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    args = [str(artifact), str(port), ingress, str(replicas), device, str(max_batch_size), str(threads or 0)]
+    args = [str(artifact), str(port), ingress, str(replicas), device, str(max_batch_size), str(threads or 0), str(grpc_port or 0)]
     with log.open("w") as fh:
         proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     return Server(ingress, proc, port, log, _wait(proc, port, "/v1/tasks", log))
