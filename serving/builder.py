@@ -213,7 +213,7 @@ def app_builder(args: AppArgs) -> Any:
     if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
         options["num_gpus"] = gpus
     autoscaling = args.autoscaling_config
-    dep = serve.deployment(
+    dep: Any = serve.deployment(  # typed as the decorator form; called with the class it is the Deployment
         FusionServe,
         name=DEPLOYMENT,
         num_replicas=None if autoscaling else args.replicas,
