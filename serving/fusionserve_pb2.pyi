@@ -15,16 +15,18 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., text_pair: _Optional[str] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("task", "inputs", "return_fusion_activations", "strict")
+    __slots__ = ("task", "inputs", "return_fusion_activations", "strict", "tasks")
     TASK_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FUSION_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     task: str
     inputs: _containers.RepeatedCompositeFieldContainer[Input]
     return_fusion_activations: bool
     strict: bool
-    def __init__(self, task: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., return_fusion_activations: _Optional[bool] = ..., strict: _Optional[bool] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., return_fusion_activations: _Optional[bool] = ..., strict: _Optional[bool] = ..., tasks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("label", "score", "scores", "truncated")
@@ -48,7 +50,7 @@ class FusionActivations(_message.Message):
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, adapters: _Optional[_Iterable[str]] = ..., layers: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class ClassifyResponse(_message.Message):
+class TaskAnswer(_message.Message):
     __slots__ = ("task", "labels", "predictions", "fusion_activations")
     TASK_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -59,3 +61,17 @@ class ClassifyResponse(_message.Message):
     predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
     fusion_activations: FusionActivations
     def __init__(self, task: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., fusion_activations: _Optional[_Union[FusionActivations, _Mapping]] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("task", "labels", "predictions", "fusion_activations", "results")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FUSION_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
+    fusion_activations: FusionActivations
+    results: _containers.RepeatedCompositeFieldContainer[TaskAnswer]
+    def __init__(self, task: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., fusion_activations: _Optional[_Union[FusionActivations, _Mapping]] = ..., results: _Optional[_Iterable[_Union[TaskAnswer, _Mapping]]] = ...) -> None: ...

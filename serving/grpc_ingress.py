@@ -8,6 +8,7 @@ RayServegRPCContext: code, details and trailing metadata are sent once the metho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -35,20 +36,24 @@ def grpc_code(status: int) -> grpc.StatusCode:
 
 
 def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
-    """The message as the fields of a JSON body: an input without a pair is a plain text."""
+    """The message as the fields of a JSON body: an input without a pair is a plain text; an empty ``task`` or
+    ``tasks`` is left out, as a JSON body would leave it out (giving neither, or both, is refused as over HTTP)."""
     inputs: list[Any] = [{"text": i.text, "text_pair": i.text_pair} if i.HasField("text_pair") else i.text for i in msg.inputs]
-    return {"task": msg.task, "inputs": inputs, "return_fusion_activations": msg.return_fusion_activations,
-            "strict": msg.strict}  # fmt: skip
+    fields: dict[str, Any] = {"inputs": inputs, "return_fusion_activations": msg.return_fusion_activations, "strict": msg.strict}
+    if msg.task:
+        fields["task"] = msg.task
+    if msg.tasks:
+        fields["tasks"] = list(msg.tasks)
+    return fields
 
 
-def response_message(answer: dict[str, Any], labels: tuple[str, ...]) -> pb.ClassifyResponse:
-    """The answer (classify.answer's data) as the proto message; scores in ``labels`` order."""
-    out = pb.ClassifyResponse(task=answer["task"], labels=labels)
+def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labels: tuple[str, ...]) -> None:
+    """One task's answer (classify.answer's data) into ``out``; scores in ``labels`` order."""
+    out.task = answer["task"]
+    out.labels.extend(labels)
     for p in answer["predictions"]:
-        out.predictions.append(
-            pb.Prediction(
-                label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
-            )
+        out.predictions.add(
+            label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
         )
     acts = answer.get("fusion_activations")
     if acts is not None:
@@ -57,6 +62,16 @@ def response_message(answer: dict[str, Any], labels: tuple[str, ...]) -> pb.Clas
         out.fusion_activations.CopyFrom(
             pb.FusionActivations(adapters=acts["adapters"], layers=len(values[0]) if values else 0, values=flat)
         )
+
+
+def response_message(answer: dict[str, Any], labels: Callable[[str], tuple[str, ...]]) -> pb.ClassifyResponse:
+    """The answer (one task's, or ``{"results": [...]}``) as the proto message; ``labels`` gives a task's labels."""
+    out = pb.ClassifyResponse()
+    if "results" in answer:
+        for one in answer["results"]:
+            _fill(out.results.add(), one, labels(one["task"]))
+    else:
+        _fill(out, answer, labels(answer["task"]))
     return out
 
 
@@ -81,4 +96,4 @@ async def classify_grpc(core: Classifier, msg: pb.ClassifyRequest, context: Any,
         return pb.ClassifyResponse()
     if context is not None:
         context.set_trailing_metadata(trailer)
-    return response_message(outcome, core.artifact.tasks[outcome["task"]].labels)
+    return response_message(outcome, lambda task: core.artifact.tasks[task].labels)

@@ -75,13 +75,14 @@ def _wait_answering(url: str, timeout_s: float) -> None:
 
 def _message(body: dict) -> pb.ClassifyRequest:
     inputs = [pb.Input(text=i) if isinstance(i, str) else pb.Input(**i) for i in body["inputs"]]
-    return pb.ClassifyRequest(task=body["task"], inputs=inputs, strict=body.get("strict", False),
+    return pb.ClassifyRequest(task=body.get("task", ""), tasks=body.get("tasks", []), inputs=inputs,
+                              strict=body.get("strict", False),
                               return_fusion_activations=body.get("return_fusion_activations", False))  # fmt: skip
 
 
 def _fits_the_proto(body: dict) -> bool:
     """Refusals the proto can carry at all (a text that is a number, or an unknown field, cannot be sent)."""
-    known = {"task", "inputs", "strict", "return_fusion_activations"}
+    known = {"task", "tasks", "inputs", "strict", "return_fusion_activations"}
     texts = all(isinstance(i, str) or (isinstance(i, dict) and set(i) <= {"text", "text_pair"}) for i in body["inputs"])
     return set(body) <= known and texts
 
@@ -111,9 +112,20 @@ def test_grpc_and_http_answer_alike(deployed):
     assert trailer["fusionserve-replica"] and trailer["fusionserve-node"]
 
 
+# several tasks in one call (issue 15): refused alike too
+MULTI_BAD = [
+    ("task and tasks", {"task": "rte", "tasks": ["nli"], "inputs": ["a"]}, 422, "give exactly one of 'task'"),
+    ("neither task nor tasks", {"inputs": ["a"]}, 422, "give exactly one of 'task'"),
+    ("a task twice", {"tasks": ["rte", "rte"], "inputs": ["a"]}, 422, "names a task more than once"),
+    ("unknown tasks", {"tasks": ["rte", "x", "y"], "inputs": ["a"]}, 404, "unknown tasks 'x', 'y'"),
+    ("rows over the limit", {"tasks": ["rte", "nli"], "inputs": ["a"] * 5}, 413, "5 inputs x 2 tasks = 10"),
+    ("activations of a plain task", {"tasks": ["rte", "head_only"], "inputs": ["a"], "return_fusion_activations": True}, 422, "no fusion layer"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("what", "body", "status", "message"),
-    [b for b in BAD if _fits_the_proto(b[1])],
+    [b for b in BAD + MULTI_BAD if _fits_the_proto(b[1])],
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_grpc_refuses_what_http_refuses_with_the_same_message(deployed, what, body, status, message):
@@ -125,6 +137,20 @@ def test_grpc_refuses_what_http_refuses_with_the_same_message(deployed, what, bo
     assert err.value.code() == grpc_code(status) != grpc.StatusCode.OK
     assert err.value.details() == http["error"]["message"] and message in err.value.details()
     assert dict(err.value.trailing_metadata())[ERROR_TYPE_KEY] == http["error"]["type"]
+
+
+def test_several_tasks_in_one_call_answer_alike(deployed):
+    url, stub, _ = deployed
+    body = {"tasks": ["rte", "nli", "head_only"], "inputs": [SENTENCES[2], SENTENCES[3]]}
+    status, http = call(url + "/v1/classify", body)
+    assert status == 200, http
+    got = stub.Classify(_message(body), metadata=METADATA, timeout=30)
+    assert [r.task for r in got.results] == body["tasks"] and not got.task
+    for mine, theirs in zip(got.results, http["results"], strict=True):
+        assert list(mine.labels) == list(theirs["predictions"][0]["scores"])
+        assert [p.label for p in mine.predictions] == [p["label"] for p in theirs["predictions"]]
+        for p, q in zip(mine.predictions, theirs["predictions"], strict=True):
+            assert list(p.scores) == pytest.approx(list(q["scores"].values()))
 
 
 def test_grpc_message_over_the_size_limit_is_refused(deployed):
