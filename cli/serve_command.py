@@ -39,7 +39,9 @@ def add_serve(sub: Any) -> None:
         "--max-queued", type=int, default=64, help="requests a replica lets wait for the model; past it 503 at once (default 64)"
     )
     sv.add_argument(
-        "--max-ongoing", type=int, help="requests Serve hands a replica at once (default: max queued + max batch size)"
+        "--max-ongoing",
+        type=int,
+        help="requests Serve hands a replica at once (default 1024: the replica's own queue refuses first)",
     )
     sv.add_argument("--max-inputs", type=int, default=64, help="most inputs in one request, else 413 (default 64)")
     sv.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body, else 413 (default 1000000)")

@@ -168,6 +168,12 @@ class Scheduler:
         """Requests waiting for the model (not yet taken by a batch), those still being tokenized included."""
         return self._waiting
 
+    def check_room(self) -> None:
+        """Raises Overloaded when ``max_queued`` requests already wait, as ``submit`` would: a caller may refuse a
+        request this way before it reads or parses it (so a burst's excess costs least)."""
+        if self._waiting >= self.limits.max_queued:
+            raise Overloaded(f"{self._waiting} requests are waiting for the model; the limit is {self.limits.max_queued}")
+
     @property
     def queued_rows(self) -> int:
         """Rows tokenized and queued for a batch."""
@@ -180,8 +186,7 @@ class Scheduler:
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._waiting >= self.limits.max_queued:
-                raise Overloaded(f"{self._waiting} requests are waiting for the model; the limit is {self.limits.max_queued}")
+            self.check_room()
             self._waiting += 1  # counted before tokenizing: a burst is refused at once, not after its tokens
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)

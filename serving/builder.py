@@ -141,12 +141,17 @@ class AppArgs(BaseModel):
 
     @property
     def ongoing_per_replica(self) -> int:
-        """Requests Serve hands a replica at once: by default every request its queue may hold plus a full batch,
-        so the replica's own queue, which answers 503 at once, is what refuses first."""
-        return self.max_ongoing or self.max_queued + self.max_batch_size
+        """Requests Serve hands a replica at once: by default far more than the replica's own queue admits, so Serve
+        never holds a request back and the replica's queue, which answers 503 at once, is what refuses. (Held in
+        Serve's per-replica semaphore instead, the excess of a 300-request burst waited for running batches and got
+        its 503 after up to 14 s.)"""
+        return self.max_ongoing or max(ONGOING_FLOOR, self.max_queued + self.max_batch_size)
 
     def batch_limits(self) -> BatchLimits:
         return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_queued, self.batch_wait_ms / 1000)
+
+
+ONGOING_FLOOR = 1024  # default max_ongoing_requests of a replica: see AppArgs.ongoing_per_replica
 
 
 def placement(device: str, gpus: float | None, replicas: int) -> tuple[str, float]:
@@ -208,7 +213,8 @@ def app_builder(args: AppArgs) -> Any:
     metrics_dir = args.metrics_dir or str(Path(tempfile.gettempdir()) / f"fusionserve-metrics-{uuid.uuid4().hex[:12]}")
     options: dict[str, Any] = {
         "num_cpus": args.threads_per_replica,
-        "runtime_env": {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir}},
+        # Ray starts workers at nice 15: a replica would lose every core to anything else on its node
+        "runtime_env": {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "RAY_worker_niceness": "0"}},
     }
     if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
         options["num_gpus"] = gpus

@@ -81,20 +81,23 @@ class Classifier:
         started = time.perf_counter()
         task = "-"  # only known task names become metric labels
         try:
+            self.scheduler.check_room()  # before the body is read or parsed: a burst's excess costs least
             req = await read()
             entries = self._tasks(req.task_names)
             task = req.task_names[0] if req.task is not None else "multi"
             inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
             self._check(req, inputs, entries)
-            try:
-                result = await self.scheduler.submit(req.task_names, inputs)
-            except Overloaded as exc:
-                raise HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later") from None
+            result = await self.scheduler.submit(req.task_names, inputs)
             with_acts = req.return_fusion_activations
             answers = [answer(e.name, e, result.tasks[e.name], result.truncated, with_acts) for e in entries]
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
             return answers[0] if req.task is not None else {"results": answers}
-        except HTTPError as err:
+        except (HTTPError, Overloaded) as exc:
+            err = (
+                exc
+                if isinstance(exc, HTTPError)
+                else HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later")
+            )
             self.stats.observe_rejected(err.reason)
             self.stats.observe_request(task, err.status, time.perf_counter() - started)
             return err

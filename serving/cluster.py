@@ -33,6 +33,8 @@ def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[s
     target = address or os.environ.get("RAY_ADDRESS") or None
     if target is not None:
         _probe(target)
+    else:  # Ray starts its workers at nice 15 (under the driver); a server's proxy and replicas are its main work
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         level = logging.ERROR if quiet else logging.INFO
         ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level, runtime_env=runtime_env)

@@ -131,6 +131,41 @@ def test_a_full_queue_refuses_at_once_and_the_rest_are_served(runner):
     assert first.logits.shape == (1, 3) and [r.logits.shape[0] for r in rest] == [1, 1, 1]
 
 
+def test_a_full_queue_refuses_before_the_request_is_read(runner):
+    """The classify core asks the scheduler first: a burst's excess is refused without its body being read or
+    parsed (held back in Serve's semaphore instead, it got its 503 seconds late)."""
+    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.classify import Classifier
+    from fusionserve.serving.metrics import Metrics
+    from fusionserve.serving.schemas import HTTPError, Limits
+
+    sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=1))
+    core = Classifier(load_artifact(runner.artifact.folder), runner.encoder, sched, Limits(), Metrics())
+    gate = Gate(runner)
+    reads: list[str] = []
+
+    async def read():
+        reads.append("read")
+        raise HTTPError(422, "malformed_json", "not JSON")
+
+    async def scenario():
+        gate.close()
+        running = asyncio.ensure_future(sched.submit("rte", TEXTS[:1]))
+        while not gate.entered.is_set():
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(sched.submit("rte", TEXTS[1:2]))  # the one request that may wait
+        await asyncio.sleep(0)
+        refused = await core(read, "test")
+        gate.release.set()
+        await asyncio.gather(running, waiting)
+        return refused, await core(read, "test")
+
+    refused, later = asyncio.run(scenario())
+    assert isinstance(refused, HTTPError) and (refused.status, refused.reason) == (503, "overloaded"), refused
+    assert "the limit is 1" in refused.message and reads == ["read"]  # only the request after the queue drained was read
+    assert isinstance(later, HTTPError) and later.status == 422
+
+
 def test_a_failing_batch_fails_its_requests_and_the_next_are_served(runner):
     sched = Scheduler(runner, BatchLimits(max_batch_size=4))
 

@@ -30,9 +30,10 @@ def _build(args: dict):
 
 def test_builder_args_are_typed_and_become_the_deployment(artifact):
     dep = _build({"artifact": str(artifact), "replicas": "3", "max_batch_size": "8", "threads": 1, "device": "cpu"})
-    assert (dep.name, dep.num_replicas, dep.max_ongoing_requests, dep.max_queued_requests) == ("fusionserve", 3, 64 + 8, 64)
+    assert (dep.name, dep.num_replicas, dep.max_ongoing_requests, dep.max_queued_requests) == ("fusionserve", 3, 1024, 64)
     assert dep.ray_actor_options["num_cpus"] == 1 and "num_gpus" not in dep.ray_actor_options
     assert dep.ray_actor_options["runtime_env"]["env_vars"]["PROMETHEUS_MULTIPROC_DIR"]
+    assert dep.ray_actor_options["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"  # Ray's default is 15
     path, limits, batch, threads, device, sha = dep.init_args
     assert (path, batch.max_batch_size, threads, device, sha) == (str(Path(artifact).resolve()), 8, 1, "cpu", None)
     assert limits.max_inputs == 64
