@@ -21,7 +21,7 @@ from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, wri
 from fusionserve.serving.runtime import make_session
 
 from .build import Dropped
-from .model import FusionBertModel
+from .model import FusionModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
@@ -44,34 +44,37 @@ def _source_checksums(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _manifest(
-    spec: ModelSpec, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, pad_token: str
+    spec: ModelSpec, model: FusionModel, precision: str, opset: int, max_seq_len: int, pad_token: str, inputs: list[str]
 ) -> dict[str, Any]:
-    cfg = model.bert.config
+    bb = model.backbone
     stacks = [list(stack) for stack in model.stacks]
+    described = {
+        "input_ids": "int64 (batch, sequence)",
+        "attention_mask": "int64 (batch, sequence)",
+        "token_type_ids": "int64 (batch, sequence)",
+        "task_id": "int64 (1,): the task's index",
+    }
     return {
         "fusionserve_version": __version__,
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "precision": precision,
         "opset": opset,
         "max_seq_len": max_seq_len,
-        "inputs": {
-            "input_ids": "int64 (batch, sequence)",
-            "attention_mask": "int64 (batch, sequence)",
-            "token_type_ids": "int64 (batch, sequence)",
-            "task_id": "int64 (1,): the task's index",
-        },
+        "inputs": {name: described[name] for name in inputs},
         "outputs": {
             "logits": f"float32 (batch, {model.max_labels}): the first len(labels) columns are the task's",
-            "fusion_activations": f"float32 (batch, {cfg.num_hidden_layers}, sequence, {len(model.adapter_names)}): "
-            "softmax weight of each adapter (columns: 'adapters') per layer and token",
+            "fusion_activations": f"float32 (batch, {len(model.sites)}, sequence, {len(model.adapter_names)}): "
+            "softmax weight of each adapter (columns: 'adapters') per fusion layer (rows: 'fusion_layers') and token",
         },
         "tokenizer": {"file": TOKENIZER_FILE, "pad_token": pad_token, "max_length": max_seq_len},
         "base_model": {
-            "layers": cfg.num_hidden_layers,
-            "hidden_size": cfg.hidden_size,
-            "attention_heads": cfg.num_attention_heads,
-            "vocab_size": cfg.vocab_size,
+            "architecture": bb.arch.name,
+            "layers": bb.n_layers,
+            "hidden_size": bb.hidden_size,
+            "attention_heads": bb.n_heads,
+            "vocab_size": bb.vocab_size,
         },
+        "fusion_layers": [{"layer": site.layer, "place": site.place} for site in model.sites],
         "adapters": list(model.adapter_names),
         "adapters_per_layer": stacks,
         "tasks": {
@@ -99,7 +102,7 @@ def _check_options(precision: str, opset: int, out: Path, force: bool) -> None:
 
 def _built(
     spec_path: str | Path, tasks: Sequence[str] | None, dropped: Dropped | None, max_seq_len: int | None
-) -> tuple[ModelSpec, FusionBertModel, Any, int]:
+) -> tuple[ModelSpec, FusionModel, Any, int]:
     """(spec, folded model, base tokenizer, token limit): the limit asked for, checked, or the tokenizer's."""
     spec = load_spec(spec_path)
     if tasks:
@@ -111,9 +114,9 @@ def _built(
     limit = max_length(tok, model)
     if max_seq_len is None:
         max_seq_len = spec.max_seq_len or limit  # one default: the spec's, else the tokenizer's
-    if not 8 <= max_seq_len <= model.bert.config.max_position_embeddings:
+    if not 8 <= max_seq_len <= model.backbone.max_tokens:
         raise FusionServeError(
-            f"--max-seq-len must be between 8 and {model.bert.config.max_position_embeddings} (the model's positions), got {max_seq_len}"
+            f"--max-seq-len must be between 8 and {model.backbone.max_tokens} (the model's positions), got {max_seq_len}"
         )
     return spec, model, tok, max_seq_len
 
@@ -133,7 +136,7 @@ class _Steps:
 
 
 def _validated_graph(
-    work: Path, model: FusionBertModel, precision: str, opset: int, max_seq_len: int, step: _Steps, grid: str
+    work: Path, model: FusionModel, precision: str, opset: int, max_seq_len: int, step: _Steps, grid: str
 ) -> tuple[Any, FusionReport, Any]:
     """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report).
     Raises ExportError or ParityError."""
@@ -189,12 +192,13 @@ def export_artifact(
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():
             tok.backend_tokenizer.save(str(work / TOKENIZER_FILE))
-        manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token))
+        inputs = [i.name for i in session.get_inputs()]
+        manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token), inputs)
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
         if pruning is not None:
             manifest["pruning"] = pruning
-        manifest["io"] = {"inputs": [i.name for i in session.get_inputs()], "outputs": list(OUTPUTS)}
+        manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}
         manifest = write_manifest(work, manifest)
         step("manifest written")
 

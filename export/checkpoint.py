@@ -1,15 +1,18 @@
 """Read AdapterHub (``adapters`` 1.3.0) checkpoint folders exactly as its save functions write them.
 
-Three kinds of folder, each a JSON config beside a weight file (safetensors preferred, else a torch
+Two kinds of folder (heads: ``head.py``), each a JSON config beside a weight file (safetensors preferred, else a torch
 pickle read with ``weights_only=True`` so no pickled code ever runs):
 
 - ``save_adapter``:         adapter_config.json        + adapter.safetensors | pytorch_adapter.bin
 - ``save_adapter_fusion``:  adapter_fusion_config.json + model_adapter_fusion.safetensors | pytorch_model_adapter_fusion.bin
-- ``save_head``:            head_config.json           + model_head.safetensors | pytorch_model_head.bin
 
-Only what fusionserve computes exactly is accepted: sequential bottleneck adapters (``seq_bn``, Pfeiffer)
-after the FFN, fusion without ``residual_before``, classification heads. Anything else raises
-CheckpointError naming the file, the field and the value.
+Only what fusionserve computes exactly is accepted: sequential bottleneck adapters after the attention block
+(``mh_adapter``) and/or after the FFN (``output_adapter``), with the pretrained LayerNorm before the adapter or not
+(``original_ln_before``: ``seq_bn``/Pfeiffer has it, ``double_seq_bn``/Houlsby not) and after it; fusion without
+``residual_before``. Anything else raises CheckpointError naming the file, the field and the
+value. Weight names are read for every supported backbone (``encoder.layer.N.attention.output`` /
+``encoder.layer.N.output`` for BERT and RoBERTa, ``transformer.layer.N.attention_adapters`` /
+``transformer.layer.N.output_adapters`` for DistilBERT).
 """
 
 from __future__ import annotations
@@ -24,13 +27,10 @@ import torch
 from fusionserve.errors import CheckpointError
 
 from .nonlinearity import ACTIVATIONS
-from .weights import check_shape, hidden_size, read_config, read_weights
+from .weights import check_shape, hidden_size, model_type, read_config, read_weights
 
 # Fields of an adapter config that must hold exactly these values for the sequential bottleneck fusionserve computes.
 _ADAPTER_REQUIRED: dict[str, Any] = {
-    "mh_adapter": False,
-    "output_adapter": True,
-    "original_ln_before": True,
     "original_ln_after": True,
     "residual_before_ln": True,
     "ln_before": False,
@@ -48,20 +48,42 @@ _ADAPTER_IGNORED = {
     "factorized_phm_rule", "phm_c_init", "phm_init_range", "learn_phm", "hypercomplex_nonlinearity",
     "phm_rank", "phm_bias", "architecture",
 }  # fmt: skip
+# Where an adapter sits, as the config says: (field, place); at least one must be true.
+_PLACE_FIELDS = (("mh_adapter", "attention"), ("output_adapter", "output"))
 _FUSION_FLAGS = {"key", "query", "value", "query_before_ln", "residual_before", "temperature", "value_before_softmax"}
 _FUSION_IGNORED = {"regularization", "value_initialized", "dropout_prob"}
-_HEAD_KNOWN = {"head_type", "num_labels", "layers", "activation_function", "label2id", "use_pooler", "bias", "dropout_prob"}
 
-_ADAPTER_KEY = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.output\.adapters\.(.+)\.adapter_(down\.0|up)\.(weight|bias)$")
-_FUSION_KEY = re.compile(
-    r"(?:^|\.)encoder\.layer\.(\d+)\.output\.adapter_fusion_layer\.(.+)\.(query|key|value|dense)\.(weight|bias)$"
-)
-_HEAD_KEY = re.compile(r"^heads\.(.+)\.(\d+)\.(weight|bias)$")
+# The module holding a layer's adapters, per place: BERT / RoBERTa / XLM-RoBERTa, then DistilBERT names.
+_SITE = r"(?:^|\.)(?:encoder|transformer)\.layer\.(\d+)\.(attention\.output|attention_adapters|output|output_adapters)\."
+_PLACE_OF = {"attention.output": "attention", "attention_adapters": "attention", "output": "output", "output_adapters": "output"}
+_ADAPTER_KEY = re.compile(_SITE + r"adapters\.(.+)\.adapter_(down\.0|up)\.(weight|bias)$")
+_FUSION_KEY = re.compile(_SITE + r"adapter_fusion_layer\.(.+)\.(query|key|value|dense)\.(weight|bias)$")
+
+
+PLACES = ("attention", "output")  # in computation order
+
+
+@dataclass(frozen=True, order=True)
+class Site:
+    """Where a bottleneck adapter (and a fusion over such adapters) sits: after layer ``layer``'s attention block
+    (AdapterHub's ``mh_adapter``) or after its FFN (``output_adapter``). Sites sort in computation order (by layer,
+    then place: 'attention' < 'output')."""
+
+    layer: int
+    place: str  # one of PLACES
+
+    @property
+    def index(self) -> int:
+        """The site's position among all 2 x layers places of the model."""
+        return 2 * self.layer + PLACES.index(self.place)
+
+    def __str__(self) -> str:
+        return f"layer {self.layer} {self.place}"
 
 
 @dataclass(frozen=True)
 class AdapterLayer:
-    """One layer's bottleneck: z = up_w @ act(down_w @ x + down_b) + up_b (scaling already folded in)."""
+    """One site's bottleneck: z = up_w @ act(down_w @ x + down_b) + up_b (scaling already folded in)."""
 
     down_w: torch.Tensor  # (r, hidden)
     down_b: torch.Tensor  # (r,)
@@ -75,8 +97,11 @@ class AdapterCheckpoint:
     folder: Path
     hidden_size: int
     non_linearity: str
-    layers: dict[int, AdapterLayer]  # absent layers (leave_out) are simply not keys
+    sites: dict[Site, AdapterLayer]  # absent layers (leave_out) are simply not keys
     leave_out: frozenset[int] = frozenset()
+    places: tuple[str, ...] = ("output",)  # where the config puts it (mh_adapter, output_adapter)
+    ln_before: bool = True  # original_ln_before: the adapter reads LN(h + residual), else h
+    model_type: str | None = None  # the backbone architecture it was saved on
 
 
 @dataclass(frozen=True)
@@ -95,18 +120,8 @@ class FusionCheckpoint:
     hidden_size: int
     adapter_names: tuple[str, ...]
     query_before_ln: bool
-    layers: dict[int, FusionLayer]
-
-
-@dataclass(frozen=True)
-class HeadCheckpoint:
-    name: str
-    folder: Path
-    hidden_size: int
-    labels: tuple[str, ...]  # in label-id order
-    linears: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]  # (weight (out, in), bias)
-    activation: str | None
-    use_pooler: bool
+    sites: dict[Site, FusionLayer]
+    model_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,28 +132,45 @@ class _AdapterConfig:
     act: str
     scaling: float
     leave_out: frozenset[int]
+    places: tuple[str, ...]
+    ln_before: bool
+    model_type: str | None
+
+
+def _flag(cfg: dict[str, Any], key: str, path: Path) -> bool:
+    if key not in cfg:
+        raise CheckpointError(f"{path}: field 'config.{key}' is missing")
+    if not isinstance(cfg[key], bool):
+        raise CheckpointError(f"{path}: field 'config.{key}' = {cfg[key]!r} is not supported; must be true or false")
+    return bool(cfg[key])
 
 
 def _adapter_config(folder: Path) -> _AdapterConfig:
-    """The checked ``adapter_config.json`` of a seq_bn adapter; raises CheckpointError naming the field."""
+    """The checked ``adapter_config.json`` of a sequential bottleneck adapter; raises CheckpointError naming the field."""
     data = read_config(folder, "adapter_config.json")
     cfg_path = folder / "adapter_config.json"
     cfg = data["config"]
     arch = cfg.get("architecture", "bottleneck")
     if arch not in ("bottleneck", None):
         raise CheckpointError(
-            f"{cfg_path}: field 'config.architecture' = {arch!r} is not supported; only bottleneck (seq_bn) adapters"
+            f"{cfg_path}: field 'config.architecture' = {arch!r} is not supported; only bottleneck adapters "
+            "(seq_bn, double_seq_bn)"
         )
     for key, want in _ADAPTER_REQUIRED.items():
         if key in cfg and cfg[key] != want:
             raise CheckpointError(
-                f"{cfg_path}: field 'config.{key}' = {cfg[key]!r} is not supported; fusionserve serves seq_bn "
-                f"(Pfeiffer) adapters, which need {key} = {want!r}"
+                f"{cfg_path}: field 'config.{key}' = {cfg[key]!r} is not supported; fusionserve serves sequential "
+                f"bottleneck adapters (seq_bn, double_seq_bn), which need {key} = {want!r}"
             )
-    for key in ("output_adapter", "original_ln_before", "residual_before_ln"):
+    for key in ("original_ln_after", "residual_before_ln"):
         if key not in cfg:
             raise CheckpointError(f"{cfg_path}: field 'config.{key}' is missing")
-    unknown = set(cfg) - set(_ADAPTER_REQUIRED) - _ADAPTER_IGNORED - {"reduction_factor", "non_linearity", "leave_out", "scaling"}
+    ln_before = _flag(cfg, "original_ln_before", cfg_path)
+    places = tuple(place for key, place in _PLACE_FIELDS if _flag(cfg, key, cfg_path))
+    if not places:
+        raise CheckpointError(f"{cfg_path}: fields 'config.mh_adapter' and 'config.output_adapter' are both false")
+    known = set(_ADAPTER_REQUIRED) | _ADAPTER_IGNORED | {k for k, _ in _PLACE_FIELDS}
+    unknown = set(cfg) - known - {"reduction_factor", "non_linearity", "leave_out", "scaling", "original_ln_before"}
     if unknown:
         raise CheckpointError(f"{cfg_path}: unknown config field(s) {sorted(unknown)}; refusing to guess what they do")
     act = str(cfg.get("non_linearity", "relu")).lower()
@@ -153,57 +185,65 @@ def _adapter_config(folder: Path) -> _AdapterConfig:
     raw_leave_out = cfg.get("leave_out") or []
     if not isinstance(raw_leave_out, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw_leave_out):
         raise CheckpointError(f"{cfg_path}: field 'config.leave_out' = {raw_leave_out!r} must be a list of layer numbers")
-    return _AdapterConfig(cfg_path, data.get("name"), hidden, act, float(scaling), frozenset(raw_leave_out))
+    return _AdapterConfig(
+        cfg_path, data.get("name"), hidden, act, float(scaling), frozenset(raw_leave_out), places, ln_before,
+        model_type(data),
+    )  # fmt: skip
 
 
-def _adapter_layers(folder: Path, cfg: _AdapterConfig) -> tuple[str | None, dict[int, AdapterLayer]]:
-    """(the adapter name in the weight keys, per layer the checked weights with the up-projection scaled)."""
+def _adapter_sites(folder: Path, cfg: _AdapterConfig) -> tuple[str | None, dict[Site, AdapterLayer]]:
+    """(the adapter name in the weight keys, per site the checked weights with the up-projection scaled)."""
     weights = read_weights(folder, "adapter.safetensors", "pytorch_adapter.bin")
-    raw: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    raw: dict[tuple[Site, str], dict[str, torch.Tensor]] = {}
     names: set[str] = set()
     for key, tensor in weights.items():
         m = _ADAPTER_KEY.search(key)
         if m is None:
-            raise CheckpointError(f"{folder}: unexpected weight '{key}' for a seq_bn adapter")
-        layer, name, part, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+            raise CheckpointError(f"{folder}: unexpected weight '{key}' for a bottleneck adapter")
+        site, name, part, kind = Site(int(m.group(1)), _PLACE_OF[m.group(2)]), m.group(3), m.group(4), m.group(5)
+        if site.place not in cfg.places:
+            field = dict((p, k) for k, p in _PLACE_FIELDS)[site.place]
+            where = {"attention": "the attention block", "output": "the FFN"}[site.place]
+            raise CheckpointError(f"{folder}: weight '{key}' sits after {where}, but 'config.{field}' is false")
         names.add(name)
-        raw.setdefault((layer, part), {})[kind] = tensor
+        raw.setdefault((site, part), {})[kind] = tensor
     if len(names) > 1:
         raise CheckpointError(f"{folder}: weights of several adapters {sorted(names)} in one adapter folder")
     hidden, scaling = cfg.hidden, cfg.scaling
-    layers: dict[int, AdapterLayer] = {}
-    for layer in sorted({k[0] for k in raw}):
-        if layer in cfg.leave_out:
-            raise CheckpointError(f"{folder}: weights for layer {layer}, which 'leave_out' lists")
-        down, up = raw.get((layer, "down.0"), {}), raw.get((layer, "up"), {})
+    sites: dict[Site, AdapterLayer] = {}
+    for site in sorted({k[0] for k in raw}):
+        if site.layer in cfg.leave_out:
+            raise CheckpointError(f"{folder}: weights for layer {site.layer}, which 'leave_out' lists")
+        down, up = raw.get((site, "down.0"), {}), raw.get((site, "up"), {})
         for part, got in (("adapter_down.0", down), ("adapter_up", up)):
             for kind in ("weight", "bias"):
                 if kind not in got:
-                    raise CheckpointError(f"{folder}: missing weight for layer {layer}: {part}.{kind}")
+                    raise CheckpointError(f"{folder}: missing weight for {site}: {part}.{kind}")
         r = down["weight"].shape[0]
-        layers[layer] = AdapterLayer(
-            down_w=check_shape(down["weight"], (r, hidden), f"layer {layer} adapter_down.0.weight", folder),
-            down_b=check_shape(down["bias"], (r,), f"layer {layer} adapter_down.0.bias", folder),
-            up_w=check_shape(up["weight"], (hidden, r), f"layer {layer} adapter_up.weight", folder) * scaling,
-            up_b=check_shape(up["bias"], (hidden,), f"layer {layer} adapter_up.bias", folder) * scaling,
+        sites[site] = AdapterLayer(
+            down_w=check_shape(down["weight"], (r, hidden), f"{site} adapter_down.0.weight", folder),
+            down_b=check_shape(down["bias"], (r,), f"{site} adapter_down.0.bias", folder),
+            up_w=check_shape(up["weight"], (hidden, r), f"{site} adapter_up.weight", folder) * scaling,
+            up_b=check_shape(up["bias"], (hidden,), f"{site} adapter_up.bias", folder) * scaling,
         )
-    return (names.pop() if names else None), layers
+    return (names.pop() if names else None), sites
 
 
 def load_adapter(folder: Path) -> AdapterCheckpoint:
-    """Read a ``save_adapter`` folder holding a seq_bn adapter; raises CheckpointError for anything else."""
+    """Read a ``save_adapter`` folder holding a sequential bottleneck adapter; raises CheckpointError for anything else."""
     cfg = _adapter_config(folder)
-    key_name, layers = _adapter_layers(folder, cfg)
+    key_name, sites = _adapter_sites(folder, cfg)
     name = cfg.name or key_name or folder.name
-    if not layers:
+    if not sites:
         raise CheckpointError(f"{folder}: the weight file holds no adapter weights")
     return AdapterCheckpoint(
-        name=str(name), folder=folder, hidden_size=cfg.hidden, non_linearity=cfg.act, layers=layers, leave_out=cfg.leave_out
-    )
+        name=str(name), folder=folder, hidden_size=cfg.hidden, non_linearity=cfg.act, sites=sites,
+        leave_out=cfg.leave_out, places=cfg.places, ln_before=cfg.ln_before, model_type=cfg.model_type,
+    )  # fmt: skip
 
 
-def _fusion_config(folder: Path) -> tuple[dict[str, Any], list[str], int, str]:
-    """(config flags, adapter names, hidden size, fusion name) of a checked ``adapter_fusion_config.json``."""
+def _fusion_config(folder: Path) -> tuple[dict[str, Any], list[str], int, str, str | None]:
+    """(config flags, adapter names, hidden size, fusion name, model type) of a checked ``adapter_fusion_config.json``."""
     data = read_config(folder, "adapter_fusion_config.json")
     cfg_path = folder / "adapter_fusion_config.json"
     cfg = data["config"]
@@ -223,127 +263,54 @@ def _fusion_config(folder: Path) -> tuple[dict[str, Any], list[str], int, str]:
             f"{cfg_path}: field 'config.residual_before' = True is not supported; only False (the paper's setting)"
         )
     hidden = hidden_size(data, cfg_path)
-    return cfg, names, hidden, data.get("name") or ",".join(names)
+    return cfg, names, hidden, data.get("name") or ",".join(names), model_type(data)
 
 
-def _fusion_layers(folder: Path, cfg: dict[str, Any], hidden: int, fusion_name: str) -> dict[int, FusionLayer]:
-    """Per layer, the checked query/key/value weights the config's flags use."""
+def _fusion_sites(folder: Path, cfg: dict[str, Any], hidden: int, fusion_name: str) -> dict[Site, FusionLayer]:
+    """Per site, the checked query/key/value weights the config's flags use."""
     weights = read_weights(folder, "model_adapter_fusion.safetensors", "pytorch_model_adapter_fusion.bin")
-    raw: dict[int, dict[str, torch.Tensor]] = {}
+    raw: dict[Site, dict[str, torch.Tensor]] = {}
     for key, tensor in weights.items():
         m = _FUSION_KEY.search(key)
         if m is None:
             raise CheckpointError(f"{folder}: unexpected weight '{key}' for an adapter fusion")
-        if m.group(2) != fusion_name:
-            raise CheckpointError(f"{folder}: weight '{key}' belongs to fusion '{m.group(2)}', not '{fusion_name}'")
-        raw.setdefault(int(m.group(1)), {})[f"{m.group(3)}.{m.group(4)}"] = tensor
+        if m.group(3) != fusion_name:
+            raise CheckpointError(f"{folder}: weight '{key}' belongs to fusion '{m.group(3)}', not '{fusion_name}'")
+        site = Site(int(m.group(1)), _PLACE_OF[m.group(2)])
+        raw.setdefault(site, {})[f"{m.group(4)}.{m.group(5)}"] = tensor
     if not raw:
         raise CheckpointError(f"{folder}: the weight file holds no fusion weights")
     wanted = [f"{p}.{k}" for p in ("query", "key") if cfg[p] for k in ("weight", "bias")]
     wanted += ["value.weight"] if cfg["value"] else []
     unused = {"dense.weight", "dense.bias"} if not (cfg["query"] or cfg["key"] or cfg["value"]) else set()
-    layers: dict[int, FusionLayer] = {}
-    for layer, got in sorted(raw.items()):
+    sites: dict[Site, FusionLayer] = {}
+    for site, got in sorted(raw.items()):
         for key in unused:  # created but never used by AdapterHub's forward when no flag is on
             got.pop(key, None)
         extra = set(got) - set(wanted)
         if extra:
-            raise CheckpointError(f"{folder}: layer {layer} has weights {sorted(extra)} that the config's flags do not use")
+            raise CheckpointError(f"{folder}: {site} has weights {sorted(extra)} that the config's flags do not use")
         for w in wanted:
             if w not in got:
-                raise CheckpointError(f"{folder}: missing weight for layer {layer}: {w}")
+                raise CheckpointError(f"{folder}: missing weight for {site}: {w}")
         h2, h1 = (hidden, hidden), (hidden,)
 
-        def get(w: str, shape: tuple[int, ...], got: dict[str, torch.Tensor] = got, layer: int = layer) -> torch.Tensor | None:
-            return check_shape(got[w], shape, f"layer {layer} {w}", folder) if w in got else None
+        def get(w: str, shape: tuple[int, ...], got: dict[str, torch.Tensor] = got, site: Site = site) -> torch.Tensor | None:
+            return check_shape(got[w], shape, f"{site} {w}", folder) if w in got else None
 
-        layers[layer] = FusionLayer(
+        sites[site] = FusionLayer(
             query_w=get("query.weight", h2), query_b=get("query.bias", h1),
             key_w=get("key.weight", h2), key_b=get("key.bias", h1),
             value_w=get("value.weight", h2),
         )  # fmt: skip
-    return layers
+    return sites
 
 
 def load_fusion(folder: Path) -> FusionCheckpoint:
     """Read a ``save_adapter_fusion`` folder; raises CheckpointError for unsupported flags or missing weights."""
-    cfg, names, hidden, fusion_name = _fusion_config(folder)
-    layers = _fusion_layers(folder, cfg, hidden, fusion_name)
+    cfg, names, hidden, fusion_name, arch = _fusion_config(folder)
+    sites = _fusion_sites(folder, cfg, hidden, fusion_name)
     return FusionCheckpoint(
         name=str(fusion_name), folder=folder, hidden_size=hidden, adapter_names=tuple(names),
-        query_before_ln=cfg["query_before_ln"], layers=layers,
+        query_before_ln=cfg["query_before_ln"], sites=sites, model_type=arch,
     )  # fmt: skip
-
-
-def load_head(folder: Path) -> HeadCheckpoint:
-    """Read a ``save_head`` folder holding a classification head; raises CheckpointError otherwise."""
-    data = read_config(folder, "head_config.json")
-    cfg_path = folder / "head_config.json"
-    cfg = data["config"]
-    if cfg.get("head_type") != "classification":
-        raise CheckpointError(
-            f"{cfg_path}: field 'config.head_type' = {cfg.get('head_type')!r} is not supported; only 'classification'"
-        )
-    unknown = set(cfg) - _HEAD_KNOWN
-    if unknown:
-        raise CheckpointError(f"{cfg_path}: unknown config field(s) {sorted(unknown)}; refusing to guess what they do")
-    hidden = hidden_size(data, cfg_path)
-    n_layers, n_labels = cfg.get("layers", 2), cfg.get("num_labels")
-    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-        raise CheckpointError(f"{cfg_path}: field 'config.layers' = {n_layers!r} must be an integer >= 1")
-    if not isinstance(n_labels, int) or isinstance(n_labels, bool) or n_labels < 1:
-        raise CheckpointError(f"{cfg_path}: field 'config.num_labels' = {n_labels!r} must be an integer >= 1")
-    act = cfg.get("activation_function")
-    act = str(act).lower() if act else None
-    if act is not None and act not in ACTIVATIONS:
-        raise CheckpointError(
-            f"{cfg_path}: field 'config.activation_function' = {act!r} is not supported; allowed: {', '.join(ACTIVATIONS)}"
-        )
-    labels = _labels(cfg.get("label2id"), n_labels, cfg_path)
-
-    weights = read_weights(folder, "model_head.safetensors", "pytorch_model_head.bin")
-    name = data.get("name")
-    by_index: dict[int, dict[str, torch.Tensor]] = {}
-    others: set[str] = set()
-    for key, tensor in weights.items():
-        m = _HEAD_KEY.match(key)
-        if m is None:
-            raise CheckpointError(f"{folder}: unexpected weight '{key}' for a classification head")
-        if name is not None and m.group(1) != name:
-            # AdapterHub's save_head matches head names by prefix: saving "rte" also writes "rte_2"'s weights
-            others.add(m.group(1))
-            continue
-        by_index.setdefault(int(m.group(2)), {})[m.group(3)] = tensor
-    if not by_index and others:
-        raise CheckpointError(f"{folder}: no weights for head '{name}' (the file holds heads {sorted(others)})")
-    if len(by_index) != n_layers:
-        raise CheckpointError(f"{folder}: config says {n_layers} linear layer(s), weights hold {len(by_index)}")
-    linears = []
-    for i, idx in enumerate(sorted(by_index)):
-        out = n_labels if i == n_layers - 1 else hidden
-        got = by_index[idx]
-        if "weight" not in got:
-            raise CheckpointError(f"{folder}: missing weight for head module {idx}: weight")
-        if cfg.get("bias", True) and "bias" not in got:
-            raise CheckpointError(f"{folder}: missing weight for head module {idx}: bias")
-        w = check_shape(got["weight"], (out, hidden), f"heads.{idx}.weight", folder)
-        b = check_shape(got["bias"], (out,), f"heads.{idx}.bias", folder) if "bias" in got else None
-        linears.append((w, b))
-    return HeadCheckpoint(
-        name=str(data.get("name") or folder.name), folder=folder, hidden_size=hidden, labels=labels,
-        linears=tuple(linears), activation=act, use_pooler=bool(cfg.get("use_pooler", False)),
-    )  # fmt: skip
-
-
-def _labels(label2id: Any, n_labels: int, path: Path) -> tuple[str, ...]:
-    if label2id is None:
-        return tuple(f"LABEL_{i}" for i in range(n_labels))
-    if not isinstance(label2id, dict):
-        raise CheckpointError(f"{path}: field 'config.label2id' must map labels to ids, got {type(label2id).__name__}")
-    ids = sorted(label2id.values()) if all(type(v) is int for v in label2id.values()) else None
-    if ids != list(range(n_labels)):
-        raise CheckpointError(
-            f"{path}: field 'config.label2id' = {label2id!r} must give each of the {n_labels} label ids 0..{n_labels - 1} once"
-        )
-    by_id = {v: str(k) for k, v in label2id.items()}
-    return tuple(by_id[i] for i in range(n_labels))

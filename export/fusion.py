@@ -1,8 +1,14 @@
-"""What replaces a BERT layer's ``output.LayerNorm(f + a)``: every adapter of the layer in one stack, shared by all
-tasks, and each task's fusion (or single adapter, or nothing) folded into a few small matrices.
+"""What replaces a sub-layer's ``LayerNorm(dense(x) + residual)`` at an adapter site (after the attention block or
+after the FFN, see ``checkpoint.Site``): every adapter of the site in one stack, shared by all tasks, and each task's
+fusion (or single adapter, or nothing) folded into a few small matrices.
 
-Every block takes ``f`` (FFN output before the residual), ``a`` (attention block output), the layer's own
-pretrained LayerNorm and the task index, and returns the layer output and the softmax weights over the stack.
+Every block takes the site's projection without its bias ``mm`` and the bias (so ``f = mm + bias`` is the sub-layer
+output before the residual: the FFN output, or the attention block's), the residual ``a`` (the sub-layer's input),
+the pretrained LayerNorm and the task index, and returns the site's output and the softmax weights over the stack.
+As AdapterHub computes it (Pfeiffer ``seq_bn``: ``ln_before``; Houlsby ``double_seq_bn``: not)::
+
+    x   = LN(f + a) if ln_before else f       the adapters' input, and the fusion query (f with query_before_ln)
+    out = LN(o + f + a)                        o = the fusion's mix of adapter outputs (or the single adapter's)
 
 The fusion is the exact algebra derived in docs/fusion-math.md, pushed one step further so that no
 (batch, seq, N, hidden) tensor and no hidden x hidden product per adapter is left:
@@ -47,7 +53,7 @@ class TaskLayer:
     out_b: torch.Tensor  # (N, hidden): V b_up_n
     mask: torch.Tensor  # (N,): 0 for adapters the task mixes, MASKED for the others
     gate: float  # 0 when the task adds nothing in this layer
-    query_before_ln: bool
+    query_before_ln: bool  # the query is f, the sub-layer output before the residual and LayerNorm
 
 
 def _padded(adapters: Sequence[AdapterLayer], r: int) -> tuple[torch.Tensor, ...]:
@@ -112,16 +118,17 @@ def _pick(stacked: torch.Tensor, task_id: torch.Tensor) -> torch.Tensor:
 
 
 class PlainBlock(nn.Module):
-    """No adapter in this layer: the pretrained BERT output for every task."""
+    """No adapter at this site: the pretrained output LN(f + a) for every task."""
 
     def forward(
-        self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
+        self, mm: torch.Tensor, bias: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return ln(f + a), None
+        return ln(mm + bias + a), None
 
 
 class AdapterLayerBlock(nn.Module):
-    """All adapters present in one layer, stacked and shared by every task, plus every task's folded weights."""
+    """All adapters present at one site, stacked and shared by every task, plus every task's folded weights.
+    ``ln_before``: the adapters read LN(f + a) (``original_ln_before``, Pfeiffer), else f (Houlsby)."""
 
     # buffers (registered in __init__), declared for type checkers
     down_w: torch.Tensor
@@ -134,11 +141,12 @@ class AdapterLayerBlock(nn.Module):
     gate: torch.Tensor
     query_before_ln: torch.Tensor
 
-    def __init__(self, stack: Sequence[AdapterLayer], act: str, tasks: Sequence[TaskLayer]) -> None:
+    def __init__(self, stack: Sequence[AdapterLayer], act: str, tasks: Sequence[TaskLayer], ln_before: bool = True) -> None:
         super().__init__()
         if not stack or not tasks:
             raise ValueError(f"need at least one adapter and one task, got {len(stack)} and {len(tasks)}")
         self.act_name = act
+        self.ln_before = ln_before
         self.n = len(stack)
         self.r = max(ad.down_w.shape[0] for ad in stack)
         down_w, down_b, _, _ = _padded(stack, self.r)
@@ -154,11 +162,12 @@ class AdapterLayerBlock(nn.Module):
         self.any_query_before_ln = any(t.query_before_ln for t in tasks)
 
     def forward(
-        self, f: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
+        self, mm: torch.Tensor, bias: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, r = self.n, self.r
-        b, t = f.shape[0], f.shape[1]  # explicit sizes: ONNX Runtime's symbolic shape inference follows them
-        x = ln(f + a)  # (batch, seq, hidden)
+        b, t = mm.shape[0], mm.shape[1]  # explicit sizes: ONNX Runtime's symbolic shape inference follows them
+        f = mm + bias  # (batch, seq, hidden): the sub-layer output
+        x = ln(f + a) if self.ln_before else f  # (batch, seq, hidden)
         h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).reshape(b, t, n, r)  # (batch, seq, N, r)
         query = torch.where(_pick(self.query_before_ln, task_id), f, x) if self.any_query_before_ln else x
         y = F.linear(query, _pick(self.score_w, task_id), _pick(self.score_b, task_id))  # (batch, seq, N*r + N)
@@ -167,4 +176,7 @@ class AdapterLayerBlock(nn.Module):
         s = torch.softmax(scores, dim=-1) * _pick(self.gate, task_id)  # (batch, seq, N)
         mixed = (h * s.unsqueeze(-1)).reshape(b, t, n * r)  # (batch, seq, N*r)
         o = F.linear(mixed, _pick(self.out_w, task_id)) + s @ _pick(self.out_b, task_id)  # (batch, seq, hidden)
-        return ln(o + f + a), s
+        # The bias joins the mix before the projection does: ONNX Runtime's attention fusion recognises the attention
+        # block only when the LayerNorm's Add has the projection (MatMul, then Add) on one side and the layer input on
+        # the other; LN(o + f + a) would hide the projection behind the adapters' Add (Houlsby: no Attention fused).
+        return ln(mm + (bias + o) + a), s

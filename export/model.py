@@ -1,5 +1,6 @@
-"""The served model in PyTorch: one frozen HF ``BertModel``, and per target task the blocks that replace each
-layer's output LayerNorm (plain / adapter / folded fusion, see ``fusion.py``) plus a classification head.
+"""The served model in PyTorch: one frozen HF encoder (``backbone.py``: BERT, RoBERTa, XLM-RoBERTa, DistilBERT), the
+blocks that replace the LayerNorm after each attention block and each FFN (plain / adapter / folded fusion, see
+``fusion.py``), shared by all tasks, and a classification head per task.
 
 Built from plain transformers modules (no ``adapters.init`` patching), so the exported graph keeps the
 attention pattern ONNX Runtime's transformer optimizer fuses. ``forward`` is pure: no state changes.
@@ -13,11 +14,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertModel
 
 from fusionserve.errors import SpecError
 
-from .checkpoint import HeadCheckpoint
+from .backbone import Backbone, attention_bias
+from .checkpoint import Site
+from .head import HeadCheckpoint
 from .nonlinearity import activation
 
 
@@ -29,7 +31,7 @@ class TaskInfo:
     kind: Literal["fusion", "adapter", "head"]
     labels: tuple[str, ...]
     adapters: tuple[str, ...]  # fusion: in the fusion's order (the activation columns); adapter: one name
-    adapters_per_layer: tuple[tuple[str, ...], ...]  # which of them act in each layer (leave_out removes some)
+    adapters_per_layer: tuple[tuple[str, ...], ...]  # which of them act at each fusion site (leave_out removes some)
 
 
 class ClassificationHead(nn.Module):
@@ -57,33 +59,40 @@ class ClassificationHead(nn.Module):
         return x  # (batch, num_labels)
 
 
-class FusionBertModel(nn.Module):
-    """Frozen BERT + every adapter, fusion layer and head of a spec, in one module: the graph that gets exported.
+class FusionModel(nn.Module):
+    """The frozen backbone + every adapter, fusion layer and head of a spec, in one module: the graph that gets exported.
 
+    ``blocks`` holds one block per place of the backbone, 2 x layers in computation order (``Site.index``: after each
+    layer's attention block, after its FFN); ``sites`` are the places whose fusion weights are reported (the rows of
+    the fusion activations: the FFN places only, or every place when some adapter sits after the attention block).
     ``forward`` takes a task index and returns padded logits and the fusion activations over all adapters;
     ``classify`` is the by-name view of it. Both are pure: nothing in them changes state.
     """
 
     def __init__(
         self,
-        bert: BertModel,
+        backbone: Backbone,
         blocks: list[nn.Module],
         heads: list[ClassificationHead],
         infos: list[TaskInfo],
         adapter_names: tuple[str, ...],
+        sites: tuple[Site, ...],
         stacks: list[tuple[str, ...]],
     ) -> None:
         super().__init__()
-        self.bert = bert
-        self.blocks = nn.ModuleList(blocks)  # one per layer, shared by all tasks
+        if len(blocks) != 2 * backbone.n_layers or len(stacks) != len(sites):
+            raise ValueError(f"{len(blocks)} blocks for {backbone.n_layers} layers, {len(stacks)} stacks for {len(sites)} sites")
+        self.backbone = backbone
+        self.blocks = nn.ModuleList(blocks)  # one per place, shared by all tasks
         self.heads = nn.ModuleList(heads)  # one per task, in task-index order
         self.infos = {info.name: info for info in infos}
         self.task_index = {info.name: i for i, info in enumerate(infos)}
         self.adapter_names = adapter_names  # the columns of the fusion activations
-        self.stacks = stacks  # per layer, the adapters in its stack
+        self.sites = sites  # the rows of the fusion activations
+        self.stacks = stacks  # per site, the adapters in its stack
         self.max_labels = max(len(info.labels) for info in infos)
         self.use_pooler = any(h.use_pooler for h in heads)
-        for i, stack in enumerate(stacks):  # (N_layer, N_all) one-hot: layer stack -> activation columns
+        for i, stack in enumerate(stacks):  # (N_site, N_all) one-hot: site stack -> activation columns
             expand = torch.zeros(len(stack), len(adapter_names))
             for row, name in enumerate(stack):
                 expand[row, adapter_names.index(name)] = 1.0
@@ -103,22 +112,31 @@ class FusionBertModel(nn.Module):
         task_id: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, max_labels), zero-padded past the task's labels, and the fusion activations
-        (batch, layers, seq, n_adapters) over ``adapter_names``, zero where the task does not mix an adapter.
-        ``task_id`` is an int64 tensor of shape (1,)."""
-        bert = self.bert
-        h = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)  # (batch, seq, hidden)
-        mask = bert.get_extended_attention_mask(attention_mask, input_ids.shape)  # (batch, 1, 1, seq)
+        (batch, sites, seq, n_adapters) over ``adapter_names``, zero where the task does not mix an adapter.
+        ``task_id`` is an int64 tensor of shape (1,). Backbones without token types do not read ``token_type_ids``
+        (the exported graph then has no such input)."""
+        bb = self.backbone
+        h = bb.embed(input_ids, token_type_ids)  # (batch, seq, hidden)
+        bias = attention_bias(attention_mask, h.dtype)  # (batch, 1, 1, seq)
+        weights: list[torch.Tensor | None] = []
+        for i in range(bb.n_layers):
+            # the projections are computed here, outside the blocks: fp16 export keeps the blocks' nodes in fp32
+            dense, ln = bb.attention_output(i)
+            ctx = bb.context(i, h, bias)  # (batch, seq, hidden)
+            a, s = self.blocks[2 * i](F.linear(ctx, dense.weight), dense.bias, h, ln, task_id)
+            weights.append(s)
+            dense, ln = bb.ffn_output(i)
+            inner = bb.intermediate(i, a)  # (batch, seq, intermediate)
+            h, s = self.blocks[2 * i + 1](F.linear(inner, dense.weight), dense.bias, a, ln, task_id)
+            weights.append(s)
         acts = []
-        for i, (layer, block) in enumerate(zip(bert.encoder.layer, self.blocks, strict=True)):
-            a = layer.attention(h, attention_mask=mask)[0]  # (batch, seq, hidden)
-            f = layer.output.dense(layer.intermediate(a))  # (batch, seq, hidden), dropout is a no-op in eval
-            h, s = block(f, a, layer.output.LayerNorm, task_id)
-            expand = getattr(self, f"expand_{i}")
+        for row, site in enumerate(self.sites):
+            s, expand = weights[site.index], getattr(self, f"expand_{row}")
             acts.append(s @ expand if s is not None else h.new_zeros((*h.shape[:2], expand.shape[1])))
-        cls = bert.pooler(h) if self.use_pooler else h[:, 0]  # (batch, hidden)
+        cls = bb.pool(h) if self.use_pooler else h[:, 0]  # (batch, hidden)
         logits = torch.stack([self._padded_head(head, h[:, 0], cls) for head in self.heads])  # (tasks, batch, max_labels)
         logits = logits[0] if len(self.heads) == 1 else logits.index_select(0, task_id).squeeze(0)
-        return logits, torch.stack(acts, dim=1)  # (batch, max_labels), (batch, layers, seq, n_adapters)
+        return logits, torch.stack(acts, dim=1)  # (batch, max_labels), (batch, sites, seq, n_adapters)
 
     def _padded_head(self, head: nn.Module, first: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         out = head(pooled if head.use_pooler else first)  # (batch, num_labels)
@@ -134,7 +152,7 @@ class FusionBertModel(nn.Module):
         return_fusion_activations: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, num_labels) of ``task``; with ``return_fusion_activations`` also the softmax weights
-        (batch, layers, seq, n) over the task's fused adapters in the fusion's order (zero where one is absent).
+        (batch, sites, seq, n) over the task's fused adapters in the fusion's order (zero where one is absent).
 
         Raises SpecError for an unknown task, or when activations are asked of a task without fusion.
         """

@@ -1,5 +1,6 @@
 """The folded model -> one ONNX graph, then ONNX Runtime's transformer optimizer (fused Attention,
-SkipLayerNormalization, EmbedLayerNormalization, BiasGelu) and, for GPU, fp16."""
+SkipLayerNormalization, EmbedLayerNormalization, BiasGelu) and, for GPU, fp16. The optimizer's model_type and the
+fused counts to expect come from the backbone's architecture (``backbone.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 from fusionserve.errors import FusionServeError
 
 from .fusion import AdapterLayerBlock
-from .model import FusionBertModel
+from .model import FusionModel
 
+# The model's inputs; the exporter drops those the graph does not read (token_type_ids without token types, task_id
+# with a single head-only task), so the manifest lists the graph's own inputs.
 INPUTS = ("input_ids", "attention_mask", "token_type_ids", "task_id")
 OUTPUTS = ("logits", "fusion_activations")
 DEFAULT_OPSET = 17
@@ -29,7 +32,7 @@ class ExportError(FusionServeError):
 
 @dataclass(frozen=True)
 class FusionReport:
-    """Fused-operator counts after optimization against what a fully fused BERT of this shape has."""
+    """Fused-operator counts after optimization against what a fully fused model of this architecture and shape has."""
 
     counts: dict[str, int]
     expected: dict[str, int]
@@ -45,20 +48,22 @@ class FusionReport:
         return "did not fuse: " + ", ".join(f"{op} {got}/{want}" for op, (got, want) in self.missing.items())
 
 
-def expected_fusions(model: FusionBertModel) -> dict[str, int]:
-    """Per layer one Attention, a SkipLayerNormalization after attention and after the FFN, one more where the
-    adapter stack adds its second LayerNorm; one EmbedLayerNormalization; BiasGelu where the FFN uses gelu."""
-    cfg = model.bert.config
-    layers = cfg.num_hidden_layers
-    with_adapters = sum(isinstance(b, AdapterLayerBlock) for b in model.blocks)
-    expected = {"EmbedLayerNormalization": 1, "Attention": layers, "SkipLayerNormalization": 2 * layers + with_adapters}
-    if cfg.hidden_act == "gelu":
+def expected_fusions(model: FusionModel) -> dict[str, int]:
+    """Per layer one Attention, a SkipLayerNormalization after attention and after the FFN, one more where an adapter
+    stack reads LN(f + a) (``original_ln_before``); the embeddings as one EmbedLayerNormalization (a LayerNormalization
+    where ONNX Runtime does not fuse them: RoBERTa, XLM-RoBERTa); BiasGelu where the FFN uses gelu."""
+    bb = model.backbone
+    layers = bb.n_layers
+    ln_before = sum(isinstance(b, AdapterLayerBlock) and b.ln_before for b in model.blocks)
+    embed = "EmbedLayerNormalization" if bb.arch.embed_fusion else "LayerNormalization"
+    expected = {embed: 1, "Attention": layers, "SkipLayerNormalization": 2 * layers + ln_before}
+    if bb.ffn_act == "gelu":
         expected["BiasGelu"] = layers
     return expected
 
 
-def _sample_inputs(model: FusionBertModel) -> tuple[torch.Tensor, ...]:
-    ids = torch.full((2, 8), 1000 % model.bert.config.vocab_size, dtype=torch.long)
+def _sample_inputs(model: FusionModel) -> tuple[torch.Tensor, ...]:
+    ids = torch.full((2, 8), 1000 % model.backbone.vocab_size, dtype=torch.long)
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
     return ids, mask, torch.zeros_like(ids), torch.zeros(1, dtype=torch.long)
@@ -78,7 +83,7 @@ def _drop_duplicate_casts(graph: onnx.GraphProto) -> None:
     graph.node.extend(keep)
 
 
-def export_raw(model: FusionBertModel, path: Path, opset: int = DEFAULT_OPSET) -> None:
+def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET) -> None:
     """Trace the model into ``path`` with the TorchScript exporter (the graph shape the optimizer's BERT
     patterns expect); dynamic batch and sequence axes. Raises ExportError."""
     model.eval()  # the tracer restores the wrapper's training flag onto submodules: keep it False
@@ -102,20 +107,20 @@ def export_raw(model: FusionBertModel, path: Path, opset: int = DEFAULT_OPSET) -
             raise ExportError(f"ONNX export failed (opset {opset}): {exc}") from exc
 
 
-def optimize(raw: Path, out: Path, model: FusionBertModel, precision: str) -> FusionReport:
+def optimize(raw: Path, out: Path, model: FusionModel, precision: str) -> FusionReport:
     """Apply ONNX Runtime's BERT fusions (and fp16 conversion) to ``raw``, write ``out``; returns the fused counts.
 
     fp16 keeps inputs and outputs in their types, and keeps Softmax (the fusion weights) in fp32; the fused
     kernels accumulate LayerNorm and attention in fp32 themselves."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    cfg = model.bert.config
+    bb = model.backbone
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)  # the optimizer logs its own notes; what matters is checked below
         try:
             opt = optimize_model(
-                str(raw), model_type="bert", num_heads=cfg.num_attention_heads, hidden_size=cfg.hidden_size, opt_level=0
+                str(raw), model_type=bb.arch.optimizer_model_type, num_heads=bb.n_heads, hidden_size=bb.hidden_size, opt_level=0
             )
         finally:
             logging.disable(logging.NOTSET)

@@ -177,7 +177,7 @@ def prune_artifact(
         spec = spec.select(tasks)
     model = build_model(spec)  # the unpruned model: what the statistics must describe
     infos = model.task_infos
-    n_layers = model.bert.config.num_hidden_layers
+    n_layers = len(model.sites)  # fusion layers: one per site (checkpoint.Site)
     rule = replace(rule, drop_layers=_layers(rule.drop_layers, n_layers))  # -1 -> the last layer's index
     plans = plan(doc, infos, rule, n_layers)
     record = {
@@ -204,14 +204,23 @@ def prune_artifact(
     return manifest, plans
 
 
+def _row_names(manifest: Mapping[str, Any]) -> list[str]:
+    """The fusion layers by name: 'layer i' when they are the layers' FFN sites, else 'layer i attention' / 'output'
+    (Houlsby adapters: two fusion layers per transformer layer, which --drop-layers counts one by one)."""
+    sites = manifest.get("fusion_layers") or [{"layer": i, "place": "output"} for i in range(len(manifest["adapters_per_layer"]))]
+    if all(s["place"] == "output" for s in sites):
+        return [f"layer {s['layer']}" for s in sites]
+    return [f"layer {s['layer']} {s['place']}" for s in sites]
+
+
 def render(plans: Mapping[str, TaskPlan], manifest: Mapping[str, Any]) -> str:
     """What the prune command prints: kept adapters per layer and the stack sizes."""
     lines = [f"rule: {manifest['pruning']['rule']['summary']}"]
     for task, p in plans.items():
         d = p.as_dict()
         lines.append(f"{task}: kept {', '.join(d['kept'])}; dropped everywhere: {', '.join(d['dropped_everywhere']) or '-'}")
-        for layer, kept in enumerate(p.kept_per_layer):
-            lines.append(f"  layer {layer}: {', '.join(kept) or '- (fusion dropped)'}")
+        for name, kept in zip(_row_names(manifest), p.kept_per_layer, strict=True):
+            lines.append(f"  {name}: {', '.join(kept) or '- (fusion dropped)'}")
     sizes = ", ".join(str(len(stack)) for stack in manifest["adapters_per_layer"])
     lines.append(f"adapters computed per layer (all served tasks): {sizes}")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ from torch import nn
 
 from .checkpoint import load_adapter, load_fusion
 from .fusion import AdapterLayerBlock
-from .model import FusionBertModel
+from .model import FusionModel
 from .spec import ModelSpec
 
 
@@ -16,22 +16,25 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in module.buffers(recurse=True))
 
 
-def summarize(spec: ModelSpec, model: FusionBertModel) -> dict[str, Any]:
+def summarize(spec: ModelSpec, model: FusionModel) -> dict[str, Any]:
     """A JSON-ready description of the model. Fusion parameters are given as saved (Q, K, V per layer) and as
     served (folded matrices, see fusion.py)."""
-    cfg = model.bert.config
+    bb = model.backbone
     adapters: dict[str, Any] = {}
     for name, folder in spec.adapters.items():
         ckpt = load_adapter(folder)
         adapters[name] = {
             "folder": str(folder),
             "non_linearity": ckpt.non_linearity,
-            "bottleneck_per_layer": {i: int(lay.down_w.shape[0]) for i, lay in sorted(ckpt.layers.items())},
-            "parameters": sum(t.numel() for lay in ckpt.layers.values() for t in vars(lay).values()),
+            "places": list(ckpt.places),  # after the attention block and/or after the FFN
+            "original_ln_before": ckpt.ln_before,
+            # AdapterHub sizes a layer's bottleneck once, for every place in it
+            "bottleneck_per_layer": {s.layer: int(lay.down_w.shape[0]) for s, lay in sorted(ckpt.sites.items())},
+            "parameters": sum(t.numel() for lay in ckpt.sites.values() for t in vars(lay).values()),
         }
     tasks: dict[str, Any] = {}
     totals = {
-        "backbone": sum(p.numel() for p in model.bert.parameters()),
+        "backbone": sum(p.numel() for p in bb.parameters()),
         "adapters": 0,
         "fusion_saved": 0,
         "fusion_served": 0,
@@ -49,7 +52,7 @@ def summarize(spec: ModelSpec, model: FusionBertModel) -> dict[str, Any]:
         totals["heads"] += entry["head_parameters"]
         if t.fusion is not None:
             fusion = load_fusion(t.fusion)
-            saved = sum(x.numel() for lay in fusion.layers.values() for x in vars(lay).values() if x is not None)
+            saved = sum(x.numel() for lay in fusion.sites.values() for x in vars(lay).values() if x is not None)
             served = sum(sum(getattr(b, k)[index].numel() for k in ("score_w", "score_b", "out_w", "out_b")) for b in blocks)
             entry["fusion_parameters"] = {"saved": saved, "served_folded": served}
             totals["fusion_saved"] += saved
@@ -59,15 +62,23 @@ def summarize(spec: ModelSpec, model: FusionBertModel) -> dict[str, Any]:
         "spec": str(spec.path),
         "base_model": {
             "folder": str(spec.base_model),
-            "layers": cfg.num_hidden_layers,
-            "hidden_size": cfg.hidden_size,
-            "attention_heads": cfg.num_attention_heads,
-            "max_position_embeddings": cfg.max_position_embeddings,
+            "architecture": bb.arch.name,
+            "layers": bb.n_layers,
+            "hidden_size": bb.hidden_size,
+            "attention_heads": bb.n_heads,
+            "max_position_embeddings": bb.max_positions,
         },
+        "fusion_layers": [str(site) for site in model.sites],
         "adapters": adapters,
         "tasks": tasks,
         "parameters": totals,
     }
+
+
+def _short(site: str) -> str:
+    """'layer 3 output' -> 'L3', 'layer 3 attention' -> 'L3a' (the attention-side fusion of layer 3)."""
+    _, layer, place = site.split()
+    return f"L{layer}" + ("a" if place == "attention" else "")
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -76,7 +87,8 @@ def render(summary: dict[str, Any]) -> str:
     lines = [
         f"spec        {summary['spec']}",
         f"base model  {b['folder']}",
-        f"            {b['layers']} layers, hidden {b['hidden_size']}, {b['attention_heads']} heads, max {b['max_position_embeddings']} positions",
+        f"            {b['architecture']}, {b['layers']} layers, hidden {b['hidden_size']}, {b['attention_heads']} heads, "
+        f"max {b['max_position_embeddings']} positions",
         "",
         "adapters",
     ]
@@ -84,7 +96,10 @@ def render(summary: dict[str, Any]) -> str:
     for name, a in summary["adapters"].items():
         sizes = a["bottleneck_per_layer"]
         per_layer = " ".join(str(sizes.get(i, "-")) for i in range(n_layers))
-        lines.append(f"  {name:<16} bottleneck per layer [{per_layer}]  {a['non_linearity']}  {a['parameters']:,} params")
+        where = " and ".join({"attention": "attention", "output": "FFN"}[p] for p in a["places"])
+        lines.append(
+            f"  {name:<16} bottleneck per layer [{per_layer}]  {a['non_linearity']}  after {where}  {a['parameters']:,} params"
+        )
     lines += ["", "tasks"]
     for name, t in summary["tasks"].items():
         what = {
@@ -95,7 +110,8 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(f"  {name:<16} {what}")
         lines.append(f"  {'':<16} labels: {', '.join(t['labels'])}")
         if t["kind"] == "fusion":
-            layers = "  ".join(f"L{i}:{'+'.join(a) if a else '-'}" for i, a in enumerate(t["adapters_per_layer"]))
+            names = [_short(site) for site in summary["fusion_layers"]]
+            layers = "  ".join(f"{n}:{'+'.join(a) if a else '-'}" for n, a in zip(names, t["adapters_per_layer"], strict=True))
             fp = t["fusion_parameters"]
             lines.append(f"  {'':<16} per layer: {layers}")
             lines.append(f"  {'':<16} fusion params: {fp['saved']:,} saved, {fp['served_folded']:,} served (folded)")

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fusionserve.errors import CheckpointError
 
-from .model import FusionBertModel
+from .model import FusionModel
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
@@ -17,14 +17,16 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), use_fast=True)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: cannot load the tokenizer (vocab.txt or tokenizer.json): {exc}") from None
+        raise CheckpointError(
+            f"{folder}: cannot load the tokenizer (tokenizer.json, or the files its class reads): {exc}"
+        ) from None
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise CheckpointError(f"{folder}: no fast tokenizer could be built from the tokenizer files")
     return tok
 
 
-def max_length(tok: PreTrainedTokenizerFast, model: FusionBertModel) -> int:
-    """Token limit: the tokenizer's, capped by the model's position embeddings."""
-    limit = int(model.bert.config.max_position_embeddings)
+def max_length(tok: PreTrainedTokenizerFast, model: FusionModel) -> int:
+    """Token limit: the tokenizer's, capped by what the model's position embeddings cover."""
+    limit = model.backbone.max_tokens
     tok_limit = tok.model_max_length if isinstance(tok.model_max_length, int) else limit
     return min(limit, tok_limit)

@@ -11,7 +11,7 @@ import torch
 
 from fusionserve.errors import FusionServeError
 
-from .model import FusionBertModel
+from .model import FusionModel
 
 # Max abs diff allowed, per precision and output (activations: over real tokens, padding excluded). fp16 keeps
 # ~3 significant digits: a 5e-2 logit error moves probabilities by about 1%. The fusion softmax itself runs in
@@ -70,11 +70,11 @@ def grid_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[tuple[
     return cases
 
 
-def _plan(model: FusionBertModel, max_seq_len: int, grid: str) -> list[tuple[str, list[tuple[int, int, dict[str, np.ndarray]]]]]:
+def _plan(model: FusionModel, max_seq_len: int, grid: str) -> list[tuple[str, list[tuple[int, int, dict[str, np.ndarray]]]]]:
     """(task, its cases) for ``grid``; raises FusionServeError for an unknown grid."""
     if grid not in GRIDS:
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{grid}'")
-    cases = grid_inputs(model.bert.config.vocab_size, max_seq_len)
+    cases = grid_inputs(model.backbone.vocab_size, max_seq_len)
     if grid == "full":
         return [(task, cases) for task in model.task_index]
     first_of_kind: dict[str, str] = {}
@@ -87,7 +87,7 @@ def _plan(model: FusionBertModel, max_seq_len: int, grid: str) -> list[tuple[str
 
 def check_parity(
     session: object,
-    model: FusionBertModel,
+    model: FusionModel,
     precision: str,
     max_seq_len: int,
     progress: Callable[[int], None] | None = None,
@@ -136,5 +136,5 @@ def check_parity(
     return report
 
 
-def count_cases(model: FusionBertModel, max_seq_len: int, grid: str = "full") -> int:
+def count_cases(model: FusionModel, max_seq_len: int, grid: str = "full") -> int:
     return sum(len(cases) for _, cases in _plan(model, max_seq_len, grid))

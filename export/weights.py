@@ -64,6 +64,12 @@ def hidden_size(data: dict[str, Any], path: Path) -> int:
     return hidden
 
 
+def model_type(data: dict[str, Any]) -> str | None:
+    """The backbone architecture AdapterHub saved the checkpoint on (``model_type``), when the config names one."""
+    value = data.get("model_type")
+    return str(value) if value is not None else None
+
+
 def check_shape(t: torch.Tensor, shape: tuple[int, ...], key: str, path: Path) -> torch.Tensor:
     """``t`` as float32 when it has ``shape``; raises CheckpointError naming the weight and both shapes."""
     if tuple(t.shape) != shape:

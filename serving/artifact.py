@@ -145,15 +145,21 @@ def render_manifest(manifest: dict[str, Any]) -> str:
     lines = [
         f"artifact    fusionserve {manifest['fusionserve_version']}, {manifest['precision']}, opset {manifest['opset']}, "
         f"max {manifest['max_seq_len']} tokens",
-        f"base model  {base.get('layers')} layers, hidden {base.get('hidden_size')}, {base.get('attention_heads')} heads",
+        f"base model  {base.get('architecture', 'bert')}, {base.get('layers')} layers, hidden {base.get('hidden_size')}, "
+        f"{base.get('attention_heads')} heads",
         "parity      max |diff| vs PyTorch: "
         + ", ".join(f"{k} {v:.2g}" for k, v in parity["max_abs_diff"].items())
         + f" over {parity['cases']} cases (tolerance {parity['tolerance']['logits']:g})",
         f"fused ops   {manifest.get('fused_operators', {}).get('summary', '?')}",
         "adapters per layer",
     ]
+    # Houlsby adapters fuse after the attention block too: two fusion layers per layer, 'L3a' and 'L3'
+    sites = manifest.get("fusion_layers") or []
+    if any(site["place"] == "attention" for site in sites):
+        lines[-1] = "adapters per fusion layer (La: after layer L's attention block, L: after its FFN)"
     for i, stack in enumerate(manifest["adapters_per_layer"]):
-        lines.append(f"  L{i}: {', '.join(stack) or '-'}")
+        name = f"L{sites[i]['layer']}{'a' if sites[i]['place'] == 'attention' else ''}" if len(sites) > i else f"L{i}"
+        lines.append(f"  {name}: {', '.join(stack) or '-'}")
     lines.append("tasks")
     width = max(16, *(len(name) for name in manifest["tasks"]))
     for name, t in manifest["tasks"].items():

@@ -5,9 +5,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.predict import TorchRunner
@@ -17,6 +19,11 @@ from fusionserve.serving.activations import stats_document
 from fusionserve.training import sources
 from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers, score_helpers
 from tests.adapterhub_models import TASKS, Built, build
+from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
+
+# The tests run tiny models: a second intra-op thread adds nothing but contention on the shared 2 cores (the parity
+# check of one tiny export took 8.7 s with 2 threads on a busy machine, 0.6 s with 1).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])
@@ -117,3 +124,34 @@ def no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError(f"a test tried to run {args[0] if args else kwargs}")
 
     monkeypatch.setattr(sources.subprocess, "run", refuse)
+
+
+# --- every backbone x adapter architecture, saved by AdapterHub: test_backbones*.py ---------------------------------
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory) -> Callable[[str, str], BuiltArch]:
+    """(backbone, adapter architecture) -> the tiny model saved by AdapterHub, each built once per session."""
+    cache: dict[tuple[str, str], BuiltArch] = {}
+
+    def get(arch: str, adapter_config: str) -> BuiltArch:
+        if (arch, adapter_config) not in cache:
+            folder = tmp_path_factory.mktemp(f"{arch}-{adapter_config}")
+            cache[arch, adapter_config] = build_arch(folder, arch, adapter_config)
+        return cache[arch, adapter_config]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=[(a, c) for a in ARCHS for c in ADAPTER_CONFIGS], ids=lambda p: f"{p[0]}-{p[1]}")
+def arch_built(request, arch_models) -> BuiltArch:
+    """A tiny model of each backbone with three adapters of each architecture, fusions, an adapter and a head task."""
+    return arch_models(*request.param)
+
+
+@pytest.fixture(scope="session")
+def arch_exported(arch_built, tmp_path_factory) -> export_helpers.Exported:
+    """Each of those exported once (fp32)."""
+    folder = tmp_path_factory.mktemp("arch-export") / "artifact"
+    manifest = export_artifact(arch_built.spec, folder, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN, progress=False)
+    return export_helpers.Exported(folder.resolve(), manifest)

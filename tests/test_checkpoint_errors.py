@@ -142,10 +142,10 @@ def test_missing_weight_file(any_root, kind):
 @pytest.mark.parametrize(
     ("kind", "suffix", "what"),
     [
-        ("adapter", "layer.0.output.adapters.alpha.adapter_up.bias", "layer 0: adapter_up.bias"),
-        ("adapter", "layer.2.output.adapters.alpha.adapter_down.0.weight", "layer 2: adapter_down.0.weight"),
-        ("fusion", "layer.1.output.adapter_fusion_layer.alpha,beta,gamma.key.weight", "layer 1: key.weight"),
-        ("fusion", "layer.0.output.adapter_fusion_layer.alpha,beta,gamma.value.weight", "layer 0: value.weight"),
+        ("adapter", "layer.0.output.adapters.alpha.adapter_up.bias", "layer 0 output: adapter_up.bias"),
+        ("adapter", "layer.2.output.adapters.alpha.adapter_down.0.weight", "layer 2 output: adapter_down.0.weight"),
+        ("fusion", "layer.1.output.adapter_fusion_layer.alpha,beta,gamma.key.weight", "layer 1 output: key.weight"),
+        ("fusion", "layer.0.output.adapter_fusion_layer.alpha,beta,gamma.value.weight", "layer 0 output: value.weight"),
         ("head", "heads.rte.1.bias", "head module 1: bias"),
         ("head", "heads.rte.4.weight", "head module 4: weight"),
     ],
@@ -160,9 +160,9 @@ def test_missing_tensor(any_root, kind, suffix, what):
 @pytest.mark.parametrize(
     ("kind", "suffix", "shape", "what"),
     [
-        ("adapter", "layer.0.output.adapters.alpha.adapter_down.0.bias", (7,), "layer 0 adapter_down.0.bias"),
-        ("adapter", "layer.1.output.adapters.alpha.adapter_up.weight", (32, 9), "layer 1 adapter_up.weight"),
-        ("fusion", "layer.2.output.adapter_fusion_layer.alpha,beta,gamma.query.weight", (32, 31), "layer 2 query.weight"),
+        ("adapter", "layer.0.output.adapters.alpha.adapter_down.0.bias", (7,), "layer 0 output adapter_down.0.bias"),
+        ("adapter", "layer.1.output.adapters.alpha.adapter_up.weight", (32, 9), "layer 1 output adapter_up.weight"),
+        ("fusion", "layer.2.output.adapter_fusion_layer.alpha,beta,gamma.query.weight", (32, 31), "layer 2 output query.weight"),
         ("head", "heads.rte.4.weight", (4, 32), "heads.4.weight"),
     ],
 )
@@ -268,7 +268,8 @@ def test_base_model_missing_a_tensor(root):
         _build(root)
 
 
-def test_base_model_that_is_not_bert(root):
-    _edit_json(root / "base/config.json", lambda d: d.update(model_type="roberta"))
-    with pytest.raises(CheckpointError, match=_all_of(root / "base", "'model_type' = 'roberta'", "'bert'")):
+def test_base_model_of_an_unsupported_architecture(root):
+    _edit_json(root / "base/config.json", lambda d: d.update(model_type="gpt2"))
+    supported = "supported: bert, roberta, xlm-roberta, distilbert"
+    with pytest.raises(CheckpointError, match=_all_of(root / "base/config.json", "'model_type' = 'gpt2'", supported)):
         _build(root)

@@ -18,8 +18,6 @@ from tests.checkpoint_helpers import _all_of, _build, _edit_json, _set_config
         ("is_parallel", True, "True"),
         ("ln_before", True, "True"),
         ("ln_after", True, "True"),
-        ("mh_adapter", True, "True"),
-        ("output_adapter", False, "False"),
         ("original_ln_after", False, "False"),
         ("residual_before_ln", False, "False"),
         ("residual_before_ln", "post_add", "'post_add'"),
@@ -33,6 +31,44 @@ def test_unsupported_adapter_config(root, field, value, shown):
     path = root / "adapters/alpha/adapter_config.json"
     _set_config(path, **{field: value})
     with pytest.raises(CheckpointError, match=_all_of(path, f"field 'config.{field}' = {shown}", "not supported")):
+        _build(root)
+
+
+def test_adapter_places_must_match_the_weights(root):
+    """mh_adapter / output_adapter say where the adapter sits; weights elsewhere, or none where it says, are errors."""
+    path = root / "adapters/alpha/adapter_config.json"
+    _set_config(path, mh_adapter=True)  # a seq_bn adapter has no weights after the attention block
+    with pytest.raises(CheckpointError, match=_all_of(root / "adapters/alpha", "no weights for layer 0 attention", "leave_out")):
+        _build(root)
+    _set_config(path, mh_adapter=False, output_adapter=False)
+    with pytest.raises(CheckpointError, match=_all_of(path, "'config.mh_adapter' and 'config.output_adapter' are both false")):
+        _build(root)
+    _set_config(path, mh_adapter=True, output_adapter=False)
+    with pytest.raises(
+        CheckpointError, match=_all_of(root / "adapters/alpha", "after the FFN", "'config.output_adapter' is false")
+    ):
+        _build(root)
+    _set_config(path, mh_adapter="yes")
+    with pytest.raises(CheckpointError, match=_all_of(path, "field 'config.mh_adapter' = 'yes'", "true or false")):
+        _build(root)
+
+
+def test_adapters_at_one_site_must_agree_on_the_layer_norm_before(root):
+    """One block computes a site: its adapters all read LN(f + a) (seq_bn) or all read f (double_seq_bn)."""
+    _set_config(root / "adapters/gamma/adapter_config.json", original_ln_before=False)
+    with pytest.raises(
+        CheckpointError, match=_all_of(root / "model.yaml", "layer 0 output", "original_ln_before", "gamma=False", "alpha=True")
+    ):
+        _build(root)
+
+
+@pytest.mark.parametrize(
+    "config", ["adapters/alpha/adapter_config.json", "fusions/rte/adapter_fusion_config.json", "heads/rte/head_config.json"]
+)
+def test_checkpoint_saved_on_another_architecture(root, config):
+    _edit_json(root / config, lambda d: d.update(model_type="roberta"))
+    folder = (root / config).parent
+    with pytest.raises(CheckpointError, match=_all_of(folder, "field 'model_type' = 'roberta'", "'bert'")):
         _build(root)
 
 

@@ -99,11 +99,11 @@ def test_default_spec_loads_from_the_package_with_expected_tasks_and_labels():
             assert info.labels == LABELS[dataset], name
         if info.kind == "fusion":
             assert info.adapters == ADAPTERS
-            assert info.adapters_per_layer == (ADAPTERS,) * model.bert.config.num_hidden_layers
+            assert info.adapters_per_layer == (ADAPTERS,) * model.backbone.n_layers
         elif info.kind == "adapter":
             assert info.adapters == (dataset,)
     assert len(infos["newsgroups"].labels) == 20
-    assert (model.bert.config.num_hidden_layers, model.bert.config.hidden_size) == (6, 384)
+    assert (model.backbone.n_layers, model.backbone.hidden_size) == (6, 384)
 
 
 @pytest.mark.slow

@@ -116,7 +116,9 @@ def test_manifest_is_complete_and_verifies(built, ours, exported):
     assert (manifest["precision"], manifest["opset"], manifest["max_seq_len"]) == ("fp32", OPSET, MAX_SEQ_LEN)
     assert manifest["tokenizer"] == {"file": "tokenizer.json", "pad_token": "[PAD]", "max_length": MAX_SEQ_LEN}
     assert datetime.fromisoformat(manifest["created_utc"]).utcoffset().total_seconds() == 0
-    assert manifest["base_model"] == {"layers": 3, "hidden_size": 32, "attention_heads": 4, "vocab_size": len(VOCAB)}
+    base = {"architecture": "bert", "layers": 3, "hidden_size": 32, "attention_heads": 4, "vocab_size": len(VOCAB)}
+    assert manifest["base_model"] == base
+    assert manifest["fusion_layers"] == [{"layer": i, "place": "output"} for i in range(3)]  # seq_bn: after the FFN
     graph = onnx.load(str(folder / "model.onnx"))
     assert {o.domain: o.version for o in graph.opset_import}[""] == OPSET
     assert manifest["io"] == {"inputs": [i.name for i in graph.graph.input], "outputs": [o.name for o in graph.graph.output]}
@@ -196,7 +198,7 @@ def test_fp16_export_on_cpu(built, runner, tmp_path):
         weights[t.data_type] += int(np.prod(t.dims))
     f16, f32 = weights[onnx.TensorProto.FLOAT16], weights[onnx.TensorProto.FLOAT]
     model = build_model(load_spec(spec))
-    backbone = sum(p.numel() for p in model.bert.encoder.parameters())
+    backbone = sum(p.numel() for p in model.backbone.model.encoder.parameters())
     weights_of = ("down_w", "down_b", "score_w", "score_b", "out_w", "out_b")
     adapter_path = sum(getattr(blk, w).numel() for blk in model.blocks for w in weights_of if hasattr(blk, w))
     assert f16 >= backbone, f"{f16} weights in fp16, the encoder alone has {backbone}"  # the backbone went fp16

@@ -1,5 +1,7 @@
-"""The folded fusion (export/fusion.py) equals the plain equations of docs/fusion-math.md ("What AdapterHub computes") (tests/reference.py),
-block by block on random weights, and the assembled model is batch-invariant and stateless."""
+"""The folded fusion (export/fusion.py) equals the plain equations of docs/fusion-math.md ("What AdapterHub computes")
+(tests/reference.py), block by block on random weights, at both sites an adapter sits: after the FFN and after the
+attention block, with the pretrained LayerNorm before the adapters (Pfeiffer, ``ln_before``) or not (Houlsby). The
+assembled model is batch-invariant and stateless."""
 
 import itertools
 
@@ -8,7 +10,7 @@ import torch
 
 from fusionserve.export.build import build_model
 from fusionserve.export.checkpoint import AdapterLayer, FusionLayer
-from fusionserve.export.fusion import AdapterLayerBlock, fold_adapter, fold_fusion, fold_nothing
+from fusionserve.export.fusion import AdapterLayerBlock, PlainBlock, fold_adapter, fold_fusion, fold_nothing
 from fusionserve.export.nonlinearity import ACTIVATIONS
 from fusionserve.export.spec import load_spec
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
@@ -23,6 +25,8 @@ BOTTLENECKS = {1: [8], 2: [4, 16], 5: [8, 4, 16, 2, 8]}
 ADAPTER_STD, FUSION_STD = 0.3, 0.15
 # (query, key, value, query_before_ln): every combination the folded block accepts; value off = 'static'.
 FLAGS = list(itertools.product([True, False], repeat=4))
+# The adapters' input: LN(f + a) (original_ln_before: seq_bn, Pfeiffer) or f (double_seq_bn, Houlsby).
+LN_BEFORE = pytest.mark.parametrize("ln_before", [True, False], ids=["ln-before", "houlsby"])
 
 
 def _flag_id(flags):
@@ -59,37 +63,42 @@ def _layer_norm(gen: torch.Generator) -> torch.nn.LayerNorm:
 
 
 def _inputs(gen: torch.Generator, batch: int = 3, seq: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
-    f = torch.randn(batch, seq, HIDDEN, generator=gen)  # FFN output before the residual
-    a = torch.randn(batch, seq, HIDDEN, generator=gen)  # attention block output
+    f = torch.randn(batch, seq, HIDDEN, generator=gen)  # sub-layer output before the residual (FFN or attention)
+    a = torch.randn(batch, seq, HIDDEN, generator=gen)  # the residual: the sub-layer's input
     return f, a
 
 
-def _run(block, f, a, ln, task=0):
-    f0, a0 = f.clone(), a.clone()
+def _run(block, f, a, ln, task=0, bias=None):
+    """The block on f: the projection ``mm`` = f without a bias, unless one is given (then f = mm + bias, see
+    test_projection_bias_is_part_of_f: a split of f into mm + bias is not exact in float32)."""
+    bias = torch.zeros(HIDDEN) if bias is None else bias
+    mm = f if not bias.any() else f - bias
+    mm0, a0 = mm.clone(), a.clone()
     with torch.no_grad():
-        out, s = block(f, a, ln, torch.tensor([task]))
-    # the blocks must not edit their inputs in place: the caller reuses f and a
-    assert torch.equal(f, f0) and torch.equal(a, a0)
+        out, s = block(mm, bias, a, ln, torch.tensor([task]))
+    # the blocks must not edit their inputs in place: the caller reuses them
+    assert torch.equal(mm, mm0) and torch.equal(a, a0)
     return out, s
 
 
+@LN_BEFORE
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("n", sorted(BOTTLENECKS))
 @pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
-def test_folded_fusion_equals_plain(flags, n, act):
+def test_folded_fusion_equals_plain(flags, n, act, ln_before):
     query, key, value, query_before_ln = flags
-    gen = torch.Generator().manual_seed(1000 * n + sum(1 << i for i, on in enumerate(flags) if on))
+    gen = torch.Generator().manual_seed(1000 * n + sum(1 << i for i, on in enumerate(flags) if on) + 99 * ln_before)
     adapters = [_adapter(gen, r) for r in BOTTLENECKS[n]]
     fusion = _fusion(gen, query, key, value)
     ln = _layer_norm(gen)
     f, a = _inputs(gen)
 
     r = max(BOTTLENECKS[n])
-    block = AdapterLayerBlock(adapters, act, [fold_fusion(adapters, r, list(range(n)), fusion, query_before_ln)])
+    block = AdapterLayerBlock(adapters, act, [fold_fusion(adapters, r, list(range(n)), fusion, query_before_ln)], ln_before)
     assert block.r == r  # the padding path is taken whenever sizes differ
     out, s = _run(block, f, a, ln)
     with torch.no_grad():
-        ref_out, ref_s = plain_fusion(f, a, ln, adapters, act, fusion, query_before_ln)
+        ref_out, ref_s = plain_fusion(f, a, ln, adapters, act, fusion, query_before_ln, ln_before)
 
     assert out.shape == f.shape and s.shape == (*f.shape[:2], n)
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
@@ -104,7 +113,8 @@ def test_folded_fusion_equals_plain(flags, n, act):
     ids=["some-absent", "unordered", "one-present", "last-absent"],
 )
 @pytest.mark.parametrize("query_before_ln", [False, True])
-def test_folded_fusion_over_part_of_the_stack(n_total, positions, query_before_ln):
+@LN_BEFORE
+def test_folded_fusion_over_part_of_the_stack(n_total, positions, query_before_ln, ln_before):
     """The layer's stack holds adapters the task does not fuse (other tasks' adapters, or the task's own left
     out of this layer): the softmax runs over the fused ones alone and reports exactly zero for the others."""
     gen = torch.Generator().manual_seed(7 * n_total + len(positions))
@@ -114,10 +124,10 @@ def test_folded_fusion_over_part_of_the_stack(n_total, positions, query_before_l
     ln = _layer_norm(gen)
     f, a = _inputs(gen)
 
-    block = AdapterLayerBlock(stack, "relu", [fold_fusion(stack, 16, positions, fusion, query_before_ln)])
+    block = AdapterLayerBlock(stack, "relu", [fold_fusion(stack, 16, positions, fusion, query_before_ln)], ln_before)
     out, s = _run(block, f, a, ln)
     with torch.no_grad():
-        ref_out, ref_s = plain_fusion(f, a, ln, adapters, "relu", fusion, query_before_ln)
+        ref_out, ref_s = plain_fusion(f, a, ln, adapters, "relu", fusion, query_before_ln, ln_before)
 
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
     assert s.shape == (*f.shape[:2], n_total)
@@ -127,13 +137,42 @@ def test_folded_fusion_over_part_of_the_stack(n_total, positions, query_before_l
     torch.testing.assert_close(s.sum(-1), torch.ones(f.shape[:2]), atol=TOL, rtol=0)
 
 
+@LN_BEFORE
+@pytest.mark.parametrize("task", ["fusion", "adapter", "nothing"])
+def test_projection_bias_is_part_of_f(ln_before, task):
+    """The blocks take the site's projection and its bias apart (the bias joins the adapters' mix before the
+    projection does, for ONNX Runtime's attention fusion): the result is the plain equations on f = mm + bias."""
+    gen = torch.Generator().manual_seed(5 + ln_before)
+    stack = [_adapter(gen, r) for r in (8, 4)]
+    fusion = _fusion(gen, True, True, True)
+    ln = _layer_norm(gen)
+    mm, a = _inputs(gen)
+    bias = torch.randn(HIDDEN, generator=gen)
+    f = mm + bias  # what AdapterHub's sub-layer hands its adapters (dense with bias)
+    folded = {"fusion": fold_fusion(stack, 8, [0, 1], fusion, False), "adapter": fold_adapter(stack, 8, 1)}
+    block = AdapterLayerBlock(stack, "silu", [folded.get(task, fold_nothing(stack, 8))], ln_before)
+    with torch.no_grad():
+        out, _ = block(mm, bias, a, ln, torch.tensor([0]))
+        plain, _ = PlainBlock()(mm, bias, a, ln, torch.tensor([0]))
+        want = {
+            "fusion": lambda: plain_fusion(f, a, ln, stack, "silu", fusion, False, ln_before)[0],
+            "adapter": lambda: plain_adapter(f, a, ln, stack[1], "silu", ln_before),
+            "nothing": lambda: ln(f + a),
+        }[task]()
+    torch.testing.assert_close(out, want, atol=TOL, rtol=0)
+    torch.testing.assert_close(plain, ln(f + a), atol=TOL, rtol=0)
+    if task != "nothing":
+        assert (want - ln(f + a)).abs().max() > 1e-2  # the adapters change the output: not a vacuous comparison
+
+
 def test_block_needs_adapters_and_tasks():
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="at least one adapter and one task"):
         AdapterLayerBlock([_adapter(gen, 4)], "relu", [])
 
 
-def test_tasks_share_one_stack():
+@LN_BEFORE
+def test_tasks_share_one_stack(ln_before):
     """Several tasks in one block (fusions over different subsets, a single adapter, nothing): each task index
     gives exactly what that task alone gives."""
     gen = torch.Generator().manual_seed(11)
@@ -147,12 +186,12 @@ def test_tasks_share_one_stack():
         fold_adapter(stack, 8, 1),
         fold_nothing(stack, 8),
     ]
-    block = AdapterLayerBlock(stack, "gelu", tasks)
+    block = AdapterLayerBlock(stack, "gelu", tasks, ln_before)
     with torch.no_grad():
         want = [
-            plain_fusion(f, a, ln, stack, "gelu", fusions[0], False)[0],
-            plain_fusion(f, a, ln, [stack[2], stack[0]], "gelu", fusions[1], True)[0],
-            plain_adapter(f, a, ln, stack[1], "gelu"),
+            plain_fusion(f, a, ln, stack, "gelu", fusions[0], False, ln_before)[0],
+            plain_fusion(f, a, ln, [stack[2], stack[0]], "gelu", fusions[1], True, ln_before)[0],
+            plain_adapter(f, a, ln, stack[1], "gelu", ln_before),
             ln(f + a),
         ]
     for t, ref in enumerate(want):
@@ -165,16 +204,17 @@ def test_tasks_share_one_stack():
     assert not torch.equal(want[0], want[1])
 
 
+@LN_BEFORE
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("r", [1, 8, 16])
-def test_adapter_block_equals_plain(act, r):
+def test_adapter_block_equals_plain(act, r, ln_before):
     gen = torch.Generator().manual_seed(r)
     adapter = _adapter(gen, r)
     ln = _layer_norm(gen)
     f, a = _inputs(gen)
-    out, s = _run(AdapterLayerBlock([adapter], act, [fold_adapter([adapter], r, 0)]), f, a, ln)
+    out, s = _run(AdapterLayerBlock([adapter], act, [fold_adapter([adapter], r, 0)], ln_before), f, a, ln)
     with torch.no_grad():
-        ref = plain_adapter(f, a, ln, adapter, act)
+        ref = plain_adapter(f, a, ln, adapter, act, ln_before)
     assert torch.all(s == 1)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
     assert (ref - ln(f + a)).abs().max() > 1e-2  # the adapter changes the output: the comparison is not vacuous
@@ -262,3 +302,41 @@ def test_forward_changes_no_state(built_st, model):
     assert scalars_after == scalars_before
     assert not model.training
     assert all(torch.equal(batch[k], inputs_before[k]) for k in inputs_before)  # inputs are not edited in place
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+def test_attention_side_block_of_a_houlsby_model_equals_plain(arch_models, arch):
+    """At the attention-side site of a real model (AdapterHub's Houlsby adapters and fusion, as saved): the block fed
+    the attention projection, its bias, the layer input and the attention LayerNorm gives the plain equations on
+    f = that projection's output and a = the layer input, with the adapters reading f (no LayerNorm before)."""
+    from fusionserve.export.backbone import attention_bias
+    from fusionserve.export.checkpoint import Site, load_adapter, load_fusion
+
+    built = arch_models(arch, "double_seq_bn")
+    spec = load_spec(built.spec)
+    model = build_model(spec)
+    adapters = {n: load_adapter(p) for n, p in spec.adapters.items()}
+    fusion = load_fusion(spec.tasks["dyn"].fusion)
+    batch = built.tokenizer([p[0] for p in PAIRS], [p[1] for p in PAIRS], padding=True, return_tensors="pt")
+    bb, task_id = model.backbone, torch.tensor([model.task_index["dyn"]])
+    with torch.no_grad():
+        h = bb.embed(batch["input_ids"], batch.get("token_type_ids"))  # the first layer's input
+        bias = attention_bias(batch["attention_mask"], h.dtype)
+        for layer in range(bb.n_layers):
+            site = Site(layer, "attention")
+            dense, ln = bb.attention_output(layer)
+            mm = torch.nn.functional.linear(bb.context(layer, h, bias), dense.weight)
+            out, s = model.blocks[site.index](mm, dense.bias, h, ln, task_id)
+            present = [n for n in fusion.adapter_names if site in adapters[n].sites]
+            want, s_ref = plain_fusion(mm + dense.bias, h, ln, [adapters[n].sites[site] for n in present], "swish",
+                                       fusion.sites[site], ln_before=False)  # fmt: skip
+            block = model.blocks[site.index]
+            assert isinstance(block, AdapterLayerBlock) and not block.ln_before and block.act_name == "swish"
+            torch.testing.assert_close(out, want, atol=TOL, rtol=0, msg=str(site))
+            columns = [model.stacks[model.sites.index(site)].index(n) for n in present]
+            torch.testing.assert_close(s[..., columns], s_ref, atol=TOL, rtol=0)
+            assert (want - ln(mm + dense.bias + h)).abs().max() > 1e-2  # the adapters change the output here
+            h, _ = model.blocks[site.index + 1](  # on to the next layer through the FFN-side site
+                torch.nn.functional.linear(bb.intermediate(layer, out), bb.ffn_output(layer)[0].weight),
+                bb.ffn_output(layer)[0].bias, out, bb.ffn_output(layer)[1], task_id,
+            )  # fmt: skip

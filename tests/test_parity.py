@@ -65,7 +65,7 @@ def test_head_file_with_another_heads_weights_loads_its_own(tmp_path):
     """AdapterHub's save_head("x") also writes the weights of every head whose name starts with "x"."""
     from adapters import BertAdapterModel
 
-    from fusionserve.export.checkpoint import load_head
+    from fusionserve.export.head import load_head
     from tests.adapterhub_models import write_base
 
     write_base(tmp_path / "base")

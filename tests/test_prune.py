@@ -172,11 +172,12 @@ def test_per_layer_pruning_keeps_different_counts_and_matches_pytorch_and_the_eq
     gen = torch.Generator().manual_seed(0)
     task_id = torch.tensor([model.task_index["rte"]])
     for i, kept in enumerate(plans["rte"].kept_per_layer):
-        block, ln = model.blocks[i], model.bert.encoder.layer[i].output.LayerNorm
+        site = model.sites[i]
+        block, ln = model.blocks[site.index], model.backbone.ffn_output(site.layer)[1]
         f, a = torch.randn(2, 5, TINY["hidden_size"], generator=gen), torch.randn(2, 5, TINY["hidden_size"], generator=gen)
         with torch.no_grad():
-            out, s = block(f, a, ln, task_id)
-            want, s_ref = plain_fusion(f, a, ln, [adapters[n].layers[i] for n in kept], "relu", fusion.layers[i])
+            out, s = block(f, torch.zeros(TINY["hidden_size"]), a, ln, task_id)
+            want, s_ref = plain_fusion(f, a, ln, [adapters[n].sites[site] for n in kept], "relu", fusion.sites[site])
         assert torch.allclose(out, want, atol=1e-5), f"layer {i}: {(out - want).abs().max():.2e}"
         columns = [model.stacks[i].index(n) for n in kept]
         assert torch.allclose(s[..., columns], s_ref, atol=1e-5)
