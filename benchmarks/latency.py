@@ -1,6 +1,6 @@
 """In-process latency of the served graph against the plain backbone and against AdapterHub, side by side.
 
-    python -m benchmarks.latency [--geometries minilm bert-base] [--batches 1 16] [--seq 128] [--rounds-scale 1.0]
+    python -m benchmarks.latency [--geometries minilm bert-base roberta-base] [--batches 1 16] [--seq 128] [--rounds-scale 1.0]
 
 Variants, all timed in one process, round-robin (each round runs every variant once, in a shuffled order, so
 machine noise hits all of them alike); the median over rounds after warm-up is reported:
@@ -10,7 +10,13 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
 - ``fusionserve eager N``: the same folded model in PyTorch eager
-- ``AdapterHub eager N``: AdapterHub's own BertAdapterModel with Fuse active, PyTorch eager
+- ``AdapterHub eager N``: AdapterHub's own model (BertAdapterModel, RobertaAdapterModel) with Fuse active, PyTorch eager
+
+Geometries: ``minilm`` (the real all-MiniLM-L6-v2 weights), ``bert-base`` and ``roberta-base`` (random weights of
+those shapes: hidden 768, 12 layers; RoBERTa with its 50,265-token vocabulary and positions offset by the pad id).
+
+``--ort-only`` times the ONNX Runtime variants alone (plain, fusion N, 4 tasks): on a busy shared machine the eager
+variants make a round of a base-sized geometry at batch 16 take minutes, and a few rounds cannot average the noise.
 
 Writes benchmarks/results/latency.json, benchmarks/results/latency.png and the table in benchmarks/RESULTS.md.
 """
@@ -31,11 +37,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
-from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder
+from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder, roberta_base_folder
 from benchmarks.report import machine, record
 from fusionserve.scoring.timing import time_round_robin
 
 HERE = Path(__file__).parent
+GEOMETRIES = ("minilm", "bert-base", "roberta-base")  # in the order the tables list them
+BASE_SIZED = ("bert-base", "roberta-base")  # 4x MiniLM's work per token: fewer rounds
 N_VALUES = (2, 8, 16)
 THREADS = 2
 
@@ -105,7 +113,9 @@ def summary_ms(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     }
 
 
-def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int, rounds_scale: float) -> dict:
+def run_geometry(
+    name: str, base: Path, work: Path, batches: list[int], seq: int, rounds_scale: float, ort_only: bool = False
+) -> dict:
     print(f"== {name}: building and exporting models in {work}", file=sys.stderr)
     plain = build(work / "plain", base, 0)
     fused = {n: build(work / f"n{n}", base, n) for n in N_VALUES}
@@ -116,19 +126,21 @@ def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int
     vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
     sizes_mb = {k: round(sum(f.stat().st_size for f in p.glob("model.onnx*")) / 2**20, 1) for k, p in arts.items()}
 
-    result: dict = {"geometry": name, "seq": seq, "artifact_mb": sizes_mb, "batches": {}}
+    result: dict = {"geometry": name, "seq": seq, "artifact_mb": sizes_mb, "machine": machine(), "batches": {}}
     for batch in batches:
         feeds = _feeds(batch, seq, vocab)
         feeds3 = dict(feeds, task_id=np.array([3], dtype=np.int64))
         variants: dict[str, Callable[[], object]] = {"plain (ORT)": _ort(arts["plain"], feeds)}
-        variants["plain (PyTorch eager)"] = _eager_ours(plain.spec, feeds, "task0")
+        if not ort_only:
+            variants["plain (PyTorch eager)"] = _eager_ours(plain.spec, feeds, "task0")
         for n, m in fused.items():
             variants[f"fusion N={n} (ORT)"] = _ort(arts[f"n{n}"], feeds)
-            variants[f"fusionserve eager N={n}"] = _eager_ours(m.spec, feeds, "task0")
-            variants[f"AdapterHub eager N={n}"] = _eager_adapterhub(m.reference, feeds)
+            if not ort_only:
+                variants[f"fusionserve eager N={n}"] = _eager_ours(m.spec, feeds, "task0")
+                variants[f"AdapterHub eager N={n}"] = _eager_adapterhub(m.reference, feeds)
         variants["fusion N=8, 4 tasks (ORT)"] = _ort(arts["n8-4tasks"], feeds3)
         # one forward of BERT-base at batch 16 takes seconds here: fewer rounds for bigger work
-        work_units = batch * seq * (4 if name == "bert-base" else 1)
+        work_units = batch * seq * (4 if name in BASE_SIZED else 1)
         rounds = max(5, int(rounds_scale * (40 if work_units <= 512 else 12 if work_units <= 4096 else 6)))
         print(f"-- {name}, batch {batch}, seq {seq}: {len(variants)} variants x {rounds} rounds", file=sys.stderr)
         result["batches"][str(batch)] = summary_ms(time_round_robin(variants, rounds, progress=True))
@@ -136,39 +148,39 @@ def run_geometry(name: str, base: Path, work: Path, batches: list[int], seq: int
 
 
 def ratios(res: dict) -> dict[str, dict[str, float]]:
-    """Per batch: fusion N / plain (ORT), AdapterHub eager N / fusion N (ORT), 4-task / 1-task graph."""
+    """Per batch: fusion N / plain (ORT), AdapterHub eager N / fusion N (ORT), 4-task / 1-task graph (those whose
+    variants were timed: ``--ort-only`` leaves out the eager ones)."""
     out = {}
     for batch, row in res["batches"].items():
-        plain = row["plain (ORT)"]["median_ms"]
-        r = {f"fusion N={n} / plain": row[f"fusion N={n} (ORT)"]["median_ms"] / plain for n in N_VALUES}
-        r |= {
-            f"AdapterHub eager N={n} / fusion N={n}": row[f"AdapterHub eager N={n}"]["median_ms"]
-            / row[f"fusion N={n} (ORT)"]["median_ms"]
-            for n in N_VALUES
-        }
-        r["4-task graph / 1-task graph (N=8)"] = (
-            row["fusion N=8, 4 tasks (ORT)"]["median_ms"] / row["fusion N=8 (ORT)"]["median_ms"]
-        )
-        r["plain PyTorch eager / plain ORT"] = row["plain (PyTorch eager)"]["median_ms"] / plain
-        out[batch] = r
+        pairs = {f"fusion N={n} / plain": (f"fusion N={n} (ORT)", "plain (ORT)") for n in N_VALUES}
+        pairs |= {f"AdapterHub eager N={n} / fusion N={n}": (f"AdapterHub eager N={n}", f"fusion N={n} (ORT)") for n in N_VALUES}
+        pairs["4-task graph / 1-task graph (N=8)"] = ("fusion N=8, 4 tasks (ORT)", "fusion N=8 (ORT)")
+        pairs["plain PyTorch eager / plain ORT"] = ("plain (PyTorch eager)", "plain (ORT)")
+        out[batch] = {k: row[a]["median_ms"] / row[b]["median_ms"] for k, (a, b) in pairs.items() if a in row and b in row}
     return out
 
 
+def _machine_line(m: dict[str, str]) -> str:
+    return (
+        f"{m['cpu']}, {m['cores']} cores, {THREADS} threads per run; {m['python']}, onnxruntime {m['onnxruntime']}, "
+        f"torch {m['torch']}; {m['date']}"
+    )
+
+
 def markdown(results: list[dict], commands: list[str]) -> str:
-    m = machine()
+    """The tables; each geometry says the machine it was measured on (re-measuring one keeps the others' figures)."""
     lines = [
         "Command: "
         + ", then ".join(f"`{c}`" for c in commands)
-        + (" (the second re-measured one geometry)" if len(commands) > 1 else ""),
+        + (" (each later command re-measured the geometries it names and kept the others)" if len(commands) > 1 else ""),
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {THREADS} threads per run; {m['python']}, onnxruntime {m['onnxruntime']}, "
-        f"torch {m['torch']}; {m['date']}. Median of round-robin rounds after 2 warm-up calls each, sequence length "
-        f"{results[0]['seq']}, fp32, CPU.",
+        f"Median of round-robin rounds after 2 warm-up calls each, sequence length {results[0]['seq']}, fp32, CPU.",
         "",
     ]
     for res in results:
         batches = list(res["batches"])
-        lines += [f"### {res['geometry']}", "", "| variant | " + " | ".join(f"batch {b} (ms)" for b in batches) + " |"]
+        lines += [f"### {res['geometry']}", "", f"Machine: {_machine_line(res['machine'])}.", ""]
+        lines += ["| variant | " + " | ".join(f"batch {b} (ms)" for b in batches) + " |"]
         lines.append("|---|" + "---:|" * len(batches))
         for variant in res["batches"][batches[0]]:
             cells = [
@@ -190,17 +202,20 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = list(results[0]["batches"])
-    fig, axes = plt.subplots(len(results), len(batches), figsize=(5.5 * len(batches), 4.2 * len(results)), squeeze=False)
+    width = max(len(res["batches"]) for res in results)
+    fig, axes = plt.subplots(len(results), width, figsize=(5.5 * width, 4.2 * len(results)), squeeze=False)
     for i, res in enumerate(results):
-        for j, b in enumerate(batches):
+        for j in range(len(res["batches"]), width):
+            axes[i][j].set_visible(False)
+        for j, b in enumerate(res["batches"]):
             ax, row = axes[i][j], res["batches"][b]
             for label, key, style in (
                 ("fusionserve ONNX", "fusion N={} (ORT)", "o-"),
                 ("fusionserve eager", "fusionserve eager N={}", "s--"),
                 ("AdapterHub eager", "AdapterHub eager N={}", "^-"),
             ):
-                ax.plot(N_VALUES, [row[key.format(n)]["median_ms"] for n in N_VALUES], style, label=label)
+                if key.format(N_VALUES[0]) in row:  # --ort-only times no eager variant
+                    ax.plot(N_VALUES, [row[key.format(n)]["median_ms"] for n in N_VALUES], style, label=label)
             ax.axhline(row["plain (ORT)"]["median_ms"], color="gray", linestyle=":", label="plain backbone + head (ONNX)")
             ax.set_title(f"{res['geometry']}, batch {b}, seq {res['seq']}")
             ax.set_xlabel("adapters fused (N)")
@@ -215,10 +230,13 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--geometries", nargs="+", default=["minilm", "bert-base"], choices=["minilm", "bert-base"])
+    p.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--rounds-scale", type=float, default=1.0, help="multiply the default number of rounds")
+    p.add_argument(
+        "--ort-only", action="store_true", help="time only the ONNX Runtime variants (more rounds in the time eager takes)"
+    )
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
@@ -231,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         data = json.loads((args.out / "latency.json").read_text())
         commands = data.get("commands", [data["command"]])
+        for r in data["results"]:
+            r.setdefault("machine", data["machine"])
         record(
             args.out,
             "latency",
@@ -246,15 +266,18 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.latency " + " ".join(argv if argv is not None else sys.argv[1:])
     results = []
     for geo in args.geometries:
-        base = minilm_folder() if geo == "minilm" else bert_base_folder(args.workdir)
-        results.append(run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale))
+        random_bases = {"bert-base": bert_base_folder, "roberta-base": roberta_base_folder}
+        base = minilm_folder() if geo == "minilm" else random_bases[geo](args.workdir)
+        results.append(run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale, args.ort_only))
     commands = [command.strip()]
     previous = args.out / "latency.json"
     if args.keep_others and previous.is_file():
         old = json.loads(previous.read_text())
         kept = [r for r in old["results"] if r["geometry"] not in args.geometries]
+        for r in kept:  # recorded before results carried their own machine: the run's
+            r.setdefault("machine", old["machine"])
         if kept:
-            results = [*kept, *results] if kept[0]["geometry"] == "minilm" else [*results, *kept]
+            results = sorted([*kept, *results], key=lambda r: GEOMETRIES.index(r["geometry"]))
             commands = [*old.get("commands", [old["command"]]), *commands]
     data = {"command": " && ".join(commands), "commands": commands, "machine": machine(), "results": results}
     text = markdown(results, commands)

