@@ -52,7 +52,7 @@ def _manifest(
         "input_ids": "int64 (batch, sequence)",
         "attention_mask": "int64 (batch, sequence)",
         "token_type_ids": "int64 (batch, sequence)",
-        "task_id": "int64 (1,): the task's index",
+        "task_id": "int64 (1,): the task's index for every row, or (batch,): each row's task",
     }
     return {
         "fusionserve_version": __version__,

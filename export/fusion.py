@@ -24,7 +24,9 @@ supported activation and the padded rows and columns are zero, so padding change
 
 A single-adapter task is the same computation with a one-hot softmax (scores zero, other adapters masked,
 V = I); a task that adds nothing in a layer has gate 0. One graph thus serves every task from one copy of
-the backbone and the adapters' down-projections; a task index selects the task's folded matrices.
+the backbone and the adapters' down-projections; a task index selects the task's folded matrices: one index for
+the whole batch, or one per row (each row gathers its task's matrices; the products become batched GEMMs), so one
+pass serves a batch mixing tasks.
 """
 
 from __future__ import annotations
@@ -110,11 +112,22 @@ def fold_nothing(stack: Sequence[AdapterLayer], r: int) -> TaskLayer:
     return TaskLayer(zeros, zeros[:, 0], zeros[: n * r].T, zeros[:n], torch.full((n,), MASKED, dtype=torch.float64), 0.0, False)
 
 
-def _pick(stacked: torch.Tensor, task_id: torch.Tensor) -> torch.Tensor:
-    """One task's slice; with a single task the slice is a constant, so the exported graph keeps plain weights."""
+def _rows(stacked: torch.Tensor, task_id: torch.Tensor, inner: int) -> torch.Tensor:
+    """Each row's slice of a per-task tensor (tasks, *rest), shaped (k, 1 x ``inner``, *rest) to broadcast against
+    (batch, seq, ...): ``task_id`` holds one task for the batch (k = 1) or one per row (k = batch). With a single
+    task the slice is a constant (*rest), so that graph keeps plain weights."""
     if stacked.shape[0] == 1:
         return stacked[0]
-    return stacked.index_select(0, task_id).squeeze(0)
+    picked = stacked.index_select(0, task_id)  # (k, *rest)
+    return picked.reshape(picked.shape[0], *([1] * inner), *stacked.shape[1:])
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, task_id: torch.Tensor) -> torch.Tensor:
+    """x (batch, seq, in) through each row's task weights w (tasks, out, in) and bias b (tasks, out)."""
+    if w.shape[0] == 1:
+        return F.linear(x, w[0], None if b is None else b[0])
+    y = torch.matmul(x, w.index_select(0, task_id).transpose(1, 2))  # (batch, seq, out): a batched GEMM per row
+    return y if b is None else y + _rows(b, task_id, 1)
 
 
 class PlainBlock(nn.Module):
@@ -169,13 +182,13 @@ class AdapterLayerBlock(nn.Module):
         f = mm + bias  # (batch, seq, hidden): the sub-layer output
         x = ln(f + a) if self.ln_before else f  # (batch, seq, hidden)
         h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).reshape(b, t, n, r)  # (batch, seq, N, r)
-        query = torch.where(_pick(self.query_before_ln, task_id), f, x) if self.any_query_before_ln else x
-        y = F.linear(query, _pick(self.score_w, task_id), _pick(self.score_b, task_id))  # (batch, seq, N*r + N)
+        query = torch.where(_rows(self.query_before_ln, task_id, 2), f, x) if self.any_query_before_ln else x
+        y = _linear(query, self.score_w, self.score_b, task_id)  # (batch, seq, N*r + N)
         g = y[..., : n * r].reshape(b, t, n, r)  # (batch, seq, N, r)
-        scores = (h * g).sum(-1) + y[..., n * r :] + _pick(self.mask, task_id)  # (batch, seq, N)
-        s = torch.softmax(scores, dim=-1) * _pick(self.gate, task_id)  # (batch, seq, N)
+        scores = (h * g).sum(-1) + y[..., n * r :] + _rows(self.mask, task_id, 1)  # (batch, seq, N)
+        s = torch.softmax(scores, dim=-1) * _rows(self.gate, task_id, 2)  # (batch, seq, N)
         mixed = (h * s.unsqueeze(-1)).reshape(b, t, n * r)  # (batch, seq, N*r)
-        o = F.linear(mixed, _pick(self.out_w, task_id)) + s @ _pick(self.out_b, task_id)  # (batch, seq, hidden)
+        o = _linear(mixed, self.out_w, None, task_id) + s @ _rows(self.out_b, task_id, 0)  # (batch, seq, hidden)
         # The bias joins the mix before the projection does: ONNX Runtime's attention fusion recognises the attention
         # block only when the LayerNorm's Add has the projection (MatMul, then Add) on one side and the layer input on
         # the other; LN(o + f + a) would hide the projection behind the adapters' Add (Houlsby: no Attention fused).

@@ -113,8 +113,8 @@ class FusionModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, max_labels), zero-padded past the task's labels, and the fusion activations
         (batch, sites, seq, n_adapters) over ``adapter_names``, zero where the task does not mix an adapter.
-        ``task_id`` is an int64 tensor of shape (1,). Backbones without token types do not read ``token_type_ids``
-        (the exported graph then has no such input)."""
+        ``task_id`` is an int64 tensor of shape (1,), the task of every row, or (batch,), each row's task. Backbones
+        without token types do not read ``token_type_ids`` (the exported graph then has no such input)."""
         bb = self.backbone
         h = bb.embed(input_ids, token_type_ids)  # (batch, seq, hidden)
         bias = attention_bias(attention_mask, h.dtype)  # (batch, 1, 1, seq)
@@ -135,7 +135,12 @@ class FusionModel(nn.Module):
             acts.append(s @ expand if s is not None else h.new_zeros((*h.shape[:2], expand.shape[1])))
         cls = bb.pool(h) if self.use_pooler else h[:, 0]  # (batch, hidden)
         logits = torch.stack([self._padded_head(head, h[:, 0], cls) for head in self.heads])  # (tasks, batch, max_labels)
-        logits = logits[0] if len(self.heads) == 1 else logits.index_select(0, task_id).squeeze(0)
+        if len(self.heads) == 1:
+            logits = logits[0]
+        else:  # each row's own task's head
+            rows = task_id.expand(input_ids.shape[0])  # (batch,): one task for all, or one per row
+            pick = rows.reshape(1, -1, 1).expand(1, -1, logits.shape[2])  # (1, batch, max_labels)
+            logits = logits.gather(0, pick).squeeze(0)  # (batch, max_labels)
         return logits, torch.stack(acts, dim=1)  # (batch, max_labels), (batch, sites, seq, n_adapters)
 
     def _padded_head(self, head: nn.Module, first: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,7 @@ def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET) -> No
     patterns expect); dynamic batch and sequence axes. Raises ExportError."""
     model.eval()  # the tracer restores the wrapper's training flag onto submodules: keep it False
     axes = {name: {0: "batch", 1: "sequence"} for name in INPUTS[:3]}
+    axes["task_id"] = {0: "task_rows"}  # 1 (one task for the batch) or batch (a task per row)
     axes |= {"logits": {0: "batch"}, "fusion_activations": {0: "batch", 2: "sequence"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about python control flow on constant shapes

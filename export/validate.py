@@ -54,12 +54,14 @@ class ParityReport:
         }
 
 
-def grid_inputs(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[tuple[int, int, dict[str, np.ndarray]]]:
+def grid_inputs(
+    vocab_size: int, max_seq_len: int, seed: int = 0, batch_sizes: tuple[int, ...] = BATCH_SIZES
+) -> list[tuple[int, int, dict[str, np.ndarray]]]:
     """(batch, seq, inputs): random ids, every batch padded (rows of different lengths), pairs' second
     segment marked in token_type_ids."""
     rng = np.random.default_rng(seed)
     cases = []
-    for batch in BATCH_SIZES:
+    for batch in batch_sizes:
         for seq in (s for s in SEQ_LENS if s <= max_seq_len):
             ids = rng.integers(min(1000, vocab_size - 1) // 2, vocab_size, size=(batch, seq), dtype=np.int64)
             lengths = rng.integers(max(2, seq // 3), seq + 1, size=batch)
@@ -100,10 +102,12 @@ def check_parity(
     report = ParityReport(precision, tol, {k: 0.0 for k in tol}, grid=grid)
     # a graph with one task and no adapter never reads task_id, and the exporter drops unused inputs
     wanted = {i.name for i in session.get_inputs()}  # type: ignore[attr-defined]
-    for task, cases in _plan(model, max_seq_len, grid):
-        index = model.task_index[task]
-        info = model.infos[task]
-        task_id = np.array([index], dtype=np.int64)
+    runs = [
+        (f"task {t}", np.array([model.task_index[t]]), len(model.infos[t].labels), c) for t, c in _plan(model, max_seq_len, grid)
+    ]
+    if "task_id" in wanted:  # rows of every task in one batch: each row gets its own task's answer
+        runs += [(f"tasks {ids.tolist()}", ids, model.max_labels, [c]) for ids, c in _mixed(model, max_seq_len)]
+    for what, task_id, n, cases in runs:
         for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
             got = session.run(None, feed)  # type: ignore[attr-defined]
@@ -112,7 +116,6 @@ def check_parity(
                     *(torch.from_numpy(feeds[k]) for k in ("input_ids", "attention_mask", "token_type_ids")),
                     torch.from_numpy(task_id),
                 )
-            n = len(info.labels)
             real = feeds["attention_mask"][:, None, :, None].astype(bool)  # (batch, 1, seq, 1)
             acts_got, acts_want = got[1] * real, want[1].numpy() * real
             pairs = {"logits": (got[0][:, :n], want[0][:, :n].numpy()), "fusion_activations": (acts_got, acts_want)}
@@ -122,7 +125,7 @@ def check_parity(
                     diff = float("inf")
                 if diff >= report.max_abs_diff[name]:
                     report.max_abs_diff[name] = diff
-                    report.worst[name] = f"task {task}, batch {batch}, sequence {seq}"
+                    report.worst[name] = f"{what}, batch {batch}, sequence {seq}"
             report.cases += 1
             if progress is not None:
                 progress(1)
@@ -136,5 +139,16 @@ def check_parity(
     return report
 
 
+def _mixed(model: FusionModel, max_seq_len: int) -> list[tuple[np.ndarray, tuple[int, int, dict[str, np.ndarray]]]]:
+    """Batches whose rows cycle through every task (a task id per row), at each sequence length; none for a graph
+    with one task."""
+    tasks = len(model.task_index)
+    if tasks < 2:
+        return []
+    batch = max(BATCH_SIZES[-1], tasks)
+    cases = grid_inputs(model.backbone.vocab_size, max_seq_len, seed=1, batch_sizes=(batch,))
+    return [(np.arange(batch, dtype=np.int64) % tasks, case) for case in cases]
+
+
 def count_cases(model: FusionModel, max_seq_len: int, grid: str = "full") -> int:
-    return sum(len(cases) for _, cases in _plan(model, max_seq_len, grid))
+    return sum(len(cases) for _, cases in _plan(model, max_seq_len, grid)) + len(_mixed(model, max_seq_len))

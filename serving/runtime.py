@@ -194,8 +194,7 @@ class OnnxRunner:
             raise FusionServeError(f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations")
         seq = encoded.input_ids.shape[1]
         padded = self.encoder.pad_to(encoded, self.padded_length(seq))
-        ids = np.full(padded.input_ids.shape[0] if self.per_row_tasks else 1, entry.index)
-        feeds = self._feeds(padded, ids)
+        feeds = self._feeds(padded, np.array([entry.index]))  # one task for every row: the graph broadcasts it
         names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
         out = self._run_bound(names, feeds) if self.io_binding else self.session.run(names, feeds)
         logits = out[0][:, : len(entry.labels)].astype(np.float32)
@@ -218,7 +217,8 @@ class OnnxRunner:
 
     @property
     def per_row_tasks(self) -> bool:
-        """Whether the graph takes a task per row (``task_id`` of shape (batch,)); older artifacts take one per run."""
+        """Whether the graph takes a task per row (``task_id`` of shape (batch,), or (1,) for every row); older
+        artifacts take one per run."""
         shape = self._task_id_shape
         return bool(shape) and shape[0] != 1
 
@@ -266,8 +266,9 @@ class OnnxRunner:
 
     def _run_bound(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         batch, seq = feeds["input_ids"].shape
-        key = (batch, seq, len(names))
-        bound = self._pool.take(key) or self._bind(names, batch, seq)
+        task_rows = len(feeds["task_id"]) if "task_id" in feeds else 1
+        key = (batch, seq, len(names), task_rows)
+        bound = self._pool.take(key) or self._bind(names, batch, seq, task_rows)
         try:
             for name, value in feeds.items():
                 bound.inputs[name].update_inplace(np.ascontiguousarray(value))
@@ -279,12 +280,12 @@ class OnnxRunner:
         finally:
             self._pool.give(key, bound)
 
-    def _bind(self, names: list[str], batch: int, seq: int) -> _Bound:
+    def _bind(self, names: list[str], batch: int, seq: int, task_rows: int) -> _Bound:
         where = self.device
         binding = self.session.io_binding()
         inputs = {}
         for i in self.session.get_inputs():
-            shape = ((batch,) if self.per_row_tasks else (1,)) if i.name == "task_id" else (batch, seq)
+            shape = (task_rows,) if i.name == "task_id" else (batch, seq)
             inputs[i.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY_TYPES[i.type], where, 0)
             binding.bind_ortvalue_input(i.name, inputs[i.name])
         for name in names:

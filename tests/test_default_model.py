@@ -240,8 +240,9 @@ def test_first_use_export_is_quick_and_the_full_grid_holds_for_the_built_in_mode
     assert spec.max_seq_len == 128 and bootstrap.PARITY_GRID == "quick"
     manifest = export_artifact(DEFAULT_MODEL / SPEC_FILE, tmp_path / "full", progress=False, parity_grid="full")
     assert manifest["max_seq_len"] == 128  # the spec's limit, with no --max-seq-len: the one default
-    assert manifest["parity"]["grid"]["kind"] == "full" and manifest["parity"]["cases"] == 11 * 9
+    assert manifest["parity"]["grid"]["kind"] == "full" and manifest["parity"]["cases"] == 11 * 9 + 3
     from fusionserve.export.build import build_model
 
     quick = count_cases(build_model(spec), 128, "quick")
-    assert quick == 3 * 9 + 8  # the whole grid for one task of each kind, one case for each of the other eight
+    # the whole grid for one task of each kind, one case for each of the other eight, a mixed batch per length
+    assert quick == 3 * 9 + 8 + 3

@@ -159,7 +159,7 @@ def test_manifest_is_complete_and_verifies(built, ours, exported):
     parity = manifest["parity"]
     assert parity["precision"] == "fp32" and parity["tolerance"] == TOLERANCES["fp32"]
     assert parity["max_abs_diff"]["logits"] <= TOL and parity["max_abs_diff"]["fusion_activations"] <= TOL
-    assert parity["cases"] == len(TASKS) * len(BATCH_SIZES) * 2
+    assert parity["cases"] == len(TASKS) * len(BATCH_SIZES) * 2 + 2  # + a batch mixing every task, per length
 
 
 def test_fused_operators(exported):
@@ -260,7 +260,8 @@ def test_quick_grid_checks_each_kind_fully_and_every_task_once(built_st, tmp_pat
     kinds = [t["kind"] for t in manifest["tasks"].values()]
     shapes = len([s for s in (5, 37, 128) if s <= 64]) * 3
     assert manifest["parity"]["grid"]["kind"] == "quick"
-    assert manifest["parity"]["cases"] == len(set(kinds)) * shapes + len(kinds) - len(set(kinds))
+    mixed = shapes // 3  # a batch of rows of every task at each length
+    assert manifest["parity"]["cases"] == len(set(kinds)) * shapes + len(kinds) - len(set(kinds)) + mixed
     with pytest.raises(FusionServeError, match="--parity-grid must be one of full, quick, got 'none'"):
         export_artifact(built_st.spec, tmp_path / "none", progress=False, parity_grid="none")
 
