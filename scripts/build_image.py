@@ -190,15 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", help="image name (default localhost/fusionserve:VARIANT)")
     p.add_argument("--rebuild-base", action="store_true", help=f"debootstrap {BASE} again even when it exists")
     p.add_argument("--mirror", help="Debian mirror for the base (default: the host's apt source)")
-    p.add_argument("bud_args", nargs="*", help="after --: more `buildah bud` arguments (e.g. --build-arg SPEC=...)")
-    args = p.parse_args(argv)
+    p.epilog = "Arguments after -- go to `buildah bud` (e.g. -- --build-arg PARITY_GRID=quick)."
+    argv = sys.argv[1:] if argv is None else argv
+    bud_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     tag = args.tag or f"localhost/fusionserve:{args.variant}"
     try:
         require("buildah", "debootstrap")
         if args.rebuild_base or not image_exists(BASE):
             seconds = make_base(args.mirror or apt_mirror())
             print(f"base {BASE}: {image_size(BASE) / 1e6:.0f} MB, made in {seconds:.0f} s", flush=True)
-        seconds = build(args.variant, tag, args.bud_args)
+        seconds = build(args.variant, tag, bud_args)
         print(f"image {tag}: {image_size(tag) / 1e6:.0f} MB, built in {seconds:.0f} s", flush=True)
     except BuildError as err:
         print(f"error: {err}", file=sys.stderr)
