@@ -35,7 +35,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--image"):
         return
-    skip = pytest.mark.skip(reason="builds the container image (about 10 min on 2 cores): opt in with `pytest -m image --image`")
+    skip = pytest.mark.skip(
+        reason="builds the container image (15-20 min on 2 shared cores): opt in with `pytest -m image --image`"
+    )
     for item in items:
         if item.get_closest_marker("image"):
             item.add_marker(skip)
