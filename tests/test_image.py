@@ -62,8 +62,8 @@ def image() -> Iterator[str]:
 
 @contextmanager
 def container(image: str) -> Iterator[str]:
-    # buildah's default is 1024 open files, too few for the HAProxy ingress (about 10k; Docker's default is higher):
-    # the host's own limit, which an unprivileged process here cannot exceed anyway
+    # buildah's default of 1024 open files is too few for the HAProxy ingress (it asks for about 10,300): the host's
+    # hard limit, as high as buildah can set it here
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     ctr = buildah("from", "--pull=never", f"--ulimit=nofile={nofile}:{nofile}", image)
     try:
