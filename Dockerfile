@@ -1,29 +1,45 @@
 # syntax=docker/dockerfile:1
 # fusionserve: a model exported at build time (by a torch stage that does not reach the image), served by
-# `fusionserve serve` on port 8000. Two variants, chosen by a build argument (BuildKit builds only the one asked):
+# `fusionserve serve` on port 8000. Two variants, chosen by a build argument (BuildKit and buildah build only the
+# stages the variant needs):
 #
-#   docker build -t fusionserve:gpu .                          # CUDA 13 + cuDNN 9, onnxruntime-gpu, fp16 artifact
+#   docker build -t fusionserve:gpu .                          # onnxruntime-gpu with CUDA + cuDNN wheels, fp16 artifact
 #   docker run --gpus all --shm-size=1g -p 8000:8000 fusionserve:gpu
 #
-#   docker build -t fusionserve:cpu --build-arg VARIANT=cpu .  # python:3.11-slim, onnxruntime, fp32 artifact
+#   docker build -t fusionserve:cpu --build-arg VARIANT=cpu .  # onnxruntime, fp32 artifact
 #   docker run --shm-size=1g -p 8000:8000 fusionserve:cpu
 #
-# Other build arguments: SPEC (a spec file inside the build context; default: the built-in model), PRECISION
-# (fp32 | fp16; default fp16 for gpu, fp32 for cpu), MAX_SEQ_LEN (default 128, the built-in model's; empty: the
-# tokenizer's limit), CUDA_IMAGE and ONNXRUNTIME_GPU (change them together: each onnxruntime-gpu release on PyPI
-# is built for one CUDA major; 1.31.1 needs CUDA 13.x and cuDNN 9.x). Arguments after the image name go to
-# `fusionserve serve` (e.g. `--replicas 2`, `--device cpu`).
+# Without Docker: `python3 scripts/build_image.py cpu|gpu` builds it with buildah from a local Debian base (README).
+#
+# Build arguments:
+#   BASE_IMAGE       any Debian/Ubuntu image whose python3 (>= 3.10) has the venv module; every stage starts from
+#                    it (default python:3.11-slim; the local build passes a debootstrap'ed Debian 12)
+#   TORCH_INDEX_URL  where the export stage gets torch==2.13.0; it must be a CPU wheel (checked). Empty: the pip
+#                    configuration the build sees (the local build mounts the host's, which has the CPU wheel)
+#   SPEC             a spec file inside the build context (default: the built-in model)
+#   PRECISION        fp32 | fp16 (default fp16 for gpu, fp32 for cpu)
+#   MAX_SEQ_LEN      default 128, the built-in model's; empty: the tokenizer's limit
+#   PARITY_GRID      full (default: every task on the whole shape grid) | quick (see `fusionserve export --help`)
+#   ONNXRUNTIME_GPU  the onnxruntime-gpu release of the gpu variant; its [cuda,cudnn] extras bring the CUDA and
+#                    cuDNN libraries that release was built for, so nothing else needs to match it
+# Arguments after the image name go to `fusionserve serve` (e.g. `--replicas 2`, `--device cpu`).
 
 ARG VARIANT=gpu
-ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
-ARG PYTHON_IMAGE=python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim
+
+# --- python: the base image's python3 in a venv (a distribution's own python3 is externally managed) ----------
+FROM ${BASE_IMAGE} AS python
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv
 
 # --- export: spec -> validated artifact (torch CPU wheel, transformers, the base weights) -------------------
-FROM ${PYTHON_IMAGE} AS export
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+FROM python AS export
+ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 WORKDIR /src
-# the CPU wheel: the default index would pull several GB of CUDA libraries that exporting never uses
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# the CPU wheel: a CUDA torch would pull several GB of CUDA libraries that exporting never uses
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+    && python -c "import torch, sys; sys.exit(f'torch {torch.__version__} is a CUDA build: set TORCH_INDEX_URL to an index of CPU wheels' if torch.version.cuda else 0)"
 COPY pyproject.toml README.md ./
 COPY fusionserve ./fusionserve
 COPY cli ./cli
@@ -38,18 +54,14 @@ ARG VARIANT
 ARG SPEC=fusionserve/default_model/model.yaml
 ARG PRECISION=
 ARG MAX_SEQ_LEN=128
+ARG PARITY_GRID=full
 RUN precision="${PRECISION:-$([ "$VARIANT" = gpu ] && echo fp16 || echo fp32)}" \
-    && fusionserve export "$SPEC" --out /artifact --precision "$precision" ${MAX_SEQ_LEN:+--max-seq-len "$MAX_SEQ_LEN"}
+    && fusionserve export "$SPEC" --out /artifact --precision "$precision" --parity-grid "$PARITY_GRID" \
+       ${MAX_SEQ_LEN:+--max-seq-len "$MAX_SEQ_LEN"}
 
-# --- runtime, GPU: CUDA runtime + cuDNN from the base image, onnxruntime-gpu -----------------------------------
-FROM ${CUDA_IMAGE} AS runtime-gpu
+# --- runtime, GPU: onnxruntime-gpu with the CUDA and cuDNN wheels it was built for ------------------------------
+FROM python AS runtime-gpu
 ARG ONNXRUNTIME_GPU=1.31.1
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
-# Ubuntu 24.04's Python 3.12 (onnxruntime-gpu 1.31 needs >= 3.11), in a venv: the system one is externally managed
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3 -m venv /opt/venv
 WORKDIR /opt/fusionserve
 COPY pyproject.toml README.md ./
 COPY fusionserve ./fusionserve
@@ -58,17 +70,26 @@ COPY export ./export
 COPY serving ./serving
 COPY scoring ./scoring
 COPY training ./training
-# [serve] pulls the CPU wheel 'onnxruntime'; both wheels install the same module, so it goes before the GPU one
+# [serve] pulls the CPU wheel 'onnxruntime'; both wheels install the same module, so it goes before the GPU one.
+# The CUDA libraries land in site-packages/nvidia/*/lib, where the loader does not look: ld.so.conf names those
+# folders (for every process: Ray's replicas too), and the build fails if the CUDA provider still misses a
+# library or cuDNN (which it opens at run time) is not found; libcuda.so.1 alone comes from the host's driver
+# (the NVIDIA container toolkit mounts it with `--gpus`).
 RUN pip install ".[serve]" \
     && pip uninstall -y onnxruntime \
-    && pip install "onnxruntime-gpu==${ONNXRUNTIME_GPU}" \
-    && python -c "import onnxruntime as o, sys; sys.exit(0 if 'CUDAExecutionProvider' in o.get_available_providers() else 'onnxruntime-gpu has no CUDA provider')"
+    && pip install "onnxruntime-gpu[cuda,cudnn]==${ONNXRUNTIME_GPU}" \
+    && python -c "import onnxruntime as o, sys; sys.exit(0 if 'CUDAExecutionProvider' in o.get_available_providers() else 'onnxruntime-gpu has no CUDA provider')" \
+    && python -c "import glob, site; print(*sorted(glob.glob(site.getsitepackages()[0] + '/nvidia/**/lib', recursive=True)), sep='\n')" \
+       > /etc/ld.so.conf.d/fusionserve-nvidia.conf \
+    && ldconfig \
+    && missing="$(ldd /opt/venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so | grep 'not found' | grep -v 'libcuda\.so\.1' || true)" \
+    && if [ -n "$missing" ]; then echo "the CUDA provider misses: $missing" >&2; exit 1; fi \
+    && if ! ldconfig -p | grep -q 'libcudnn\.so\.9 '; then echo "cuDNN 9 (loaded at run time) is missing" >&2; exit 1; fi
 # --device cuda: without a GPU (no `--gpus all`) the server says so and stops, instead of serving on CPU
 ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", "8000", "--device", "cuda"]
 
 # --- runtime, CPU --------------------------------------------------------------------------------------------
-FROM ${PYTHON_IMAGE} AS runtime-cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+FROM python AS runtime-cpu
 WORKDIR /opt/fusionserve
 COPY pyproject.toml README.md ./
 COPY fusionserve ./fusionserve

@@ -25,6 +25,23 @@ from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 # check of one tiny export took 8.7 s with 2 threads on a busy machine, 0.6 s with 1).
 torch.set_num_threads(1)
 
+# --- opt-in tests: `image` builds the container image (many minutes on 2 cores), not part of the default run -----
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--image", action="store_true", help="run the tests marked `image`: build and run the container image")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--image"):
+        return
+    skip = pytest.mark.skip(
+        reason="builds the container image (15-20 min on 2 shared cores): opt in with `pytest -m image --image`"
+    )
+    for item in items:
+        if item.get_closest_marker("image"):
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])
 def built(request, tmp_path_factory) -> Built:

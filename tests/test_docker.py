@@ -35,3 +35,47 @@ def test_every_stage_that_installs_the_package_copies_all_of_its_folders():
         before = stage.split('pip install ".[', 1)[0]
         copied = {line.split()[1] for line in before.splitlines() if line.startswith("COPY") and "--from" not in line}
         assert package_dirs | {"fusionserve"} <= copied, f"{stage.splitlines()[0]} misses {package_dirs - copied}"
+
+
+def _build_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "build_image.py"
+    spec = importlib.util.spec_from_file_location("build_image", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_stage_starts_from_the_base_argument_or_another_stage():
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "Dockerfile").read_text()
+    froms = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, flags=re.M)
+    names = {alias for _, alias in froms if alias}
+    assert froms[0] == ("${BASE_IMAGE}", "python")  # the one place an image from outside comes in
+    for image, _ in froms[1:]:
+        assert image in names or image == "runtime-${VARIANT}", image
+    args = set(re.findall(r"^ARG (\w+)", text, flags=re.M))
+    script = _build_script()
+    passed = [a.split("=", 1)[0] for a in script.bud_command("cpu", "t", Path("/x"), [])[1:] if "=" in a and a[0].isupper()]
+    assert passed and set(passed) <= args  # every --build-arg the local build passes is one the Dockerfile takes
+
+
+def test_the_hosts_pip_configuration_goes_into_the_build_with_the_paths_it_names(tmp_path):
+    index, wheels = tmp_path / "mirror" / "simple", tmp_path / "wheels"
+    index.mkdir(parents=True)
+    wheels.mkdir()
+    cert = tmp_path / "ca.crt"
+    cert.write_text("x")
+    sections = {
+        "global": {"extra-index-url": f"file://{index} https://example.invalid/simple", "find-links": str(wheels)},
+        "install": {"cert": str(cert), "constraint": str(tmp_path / "gone.txt"), "no-binary": ":none:"},
+    }
+    script = _build_script()
+    # the index with the files beside it; folders and files as they are; a path that does not exist is not mounted
+    assert script.local_paths(sections) == sorted([tmp_path / "mirror", wheels, cert])
+    assert script.local_paths({"global": {"find-links": f"{tmp_path} {wheels}"}}) == [tmp_path]  # nested: once
+    conf = script.pip_conf_text(sections)
+    assert f"[global]\nextra-index-url = file://{index} https://example.invalid/simple\n" in conf
+    assert f"[install]\ncert = {cert}\n" in conf
