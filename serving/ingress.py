@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import resource
 import signal
 import socket
 import tempfile
@@ -73,6 +74,26 @@ def node_env(ingress: str) -> dict[str, str]:
     return env
 
 
+# Serve's HAProxy takes 4096 connections and asks for about 2.5 file descriptors per connection: ~10,300, far above
+# the common 1024 default, and under that limit it fails to start with no clear reason.
+HAPROXY_MAXCONN = 4096
+_FDS_PER_CONN = 2.5
+_FDS_SPARE = 256
+
+
+def fit_open_files() -> int | None:
+    """Raise this process's soft open-file limit to its hard limit (Ray's processes and HAProxy inherit it); returns
+    the HAProxy connection limit that fits when even the hard limit is short of Serve's default, else None."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):  # a limit we may not raise: work within the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY or soft >= HAPROXY_MAXCONN * _FDS_PER_CONN + _FDS_SPARE:
+        return None
+    return max(64, int((soft - _FDS_SPARE) / _FDS_PER_CONN))
+
+
 def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
     """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin socket and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
@@ -91,6 +112,9 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
         }
+        maxconn = fit_open_files()
+        if maxconn is not None:
+            env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
     return env
 
 

@@ -4,6 +4,7 @@ port is refused before anything starts, and SIGTERM stops everything it started.
 
 import json
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -183,3 +184,24 @@ def test_sigterm_stops_every_process_it_started_and_exits_0(server):
     text = server.log.read_text()
     assert "fusionserve: shutting down" in text and "SIGTERM received" not in text and "Traceback" not in text
     assert "failed" not in text.lower(), text
+
+
+def test_haproxy_fits_the_open_file_limit_it_gets():
+    """HAProxy asks for ~10,300 descriptors for Serve's 4096 connections and, under a 1024 limit (a common default,
+    and what `buildah run` gives), did not start at all ("Cannot raise FD limit"). The soft limit is raised to the
+    hard one; when even that is short, HAProxy's connection limit is lowered to fit."""
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])));"
+        "from fusionserve.serving.ingress import ingress_env; env = ingress_env('haproxy');"
+        "print(env.get('RAY_SERVE_HAPROXY_MAXCONN'), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+
+    def run(soft, hard):
+        return subprocess.run(
+            [sys.executable, "-c", code, str(soft), str(hard)], capture_output=True, text=True, check=True
+        ).stdout.split()
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert run(1024, 1024) == ["307", "1024"]  # (1024 - 256) / 2.5: fits, and HAProxy starts
+    if hard == resource.RLIM_INFINITY or hard >= 10_500:
+        assert run(1024, 10_500) == ["None", "10500"]  # raised to the hard limit: Serve's default stands
