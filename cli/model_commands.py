@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import InputError
-from fusionserve.serving.artifact import is_artifact, load_artifact, render_manifest
+from fusionserve.serving.artifact import is_artifact, load_artifact, render_int8, render_manifest
 from fusionserve.serving.predictions import TextInput
 
 from . import default
@@ -23,7 +23,10 @@ def add_export(sub: Any) -> None:
     ex.add_argument("model", help="model spec file (YAML or JSON)")
     ex.add_argument("--out", required=True, type=Path, help="artifact folder to write")
     ex.add_argument(
-        "--precision", choices=["fp32", "fp16"], default="fp32", help="fp16 halves the weights, for GPU (default fp32)"
+        "--precision",
+        choices=["fp32", "fp16", "int8"],
+        default="fp32",
+        help="fp16 halves the weights, for GPU; int8 quantizes the GEMMs, for CPU (default fp32)",
     )
     ex.add_argument(
         "--max-seq-len",
@@ -60,6 +63,8 @@ def run_export(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "
         f"max |diff| vs PyTorch {manifest['parity']['max_abs_diff']['logits']:.2g}, {manifest['fused_operators']['summary']}"
     )
+    for line in render_int8(manifest.get("int8")):
+        print(line)
     return 0
 
 

@@ -55,7 +55,7 @@ def _add_prune(sub: Any) -> None:
     )
     pn.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks (default: every task of the spec)")
     pn.add_argument("--out", required=True, type=Path, help="artifact folder to write")
-    pn.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="as for export (default fp32)")
+    pn.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32", help="as for export (default fp32)")
     pn.add_argument("--max-seq-len", type=int, help="as for export (default: the spec's max_seq_len, else the tokenizer's)")
     pn.add_argument("--force", action="store_true", help="replace --out if it exists")
     pn.add_argument("--eval", type=Path, metavar="FILE", help="labelled JSONL: print accuracy and latency before and after")
@@ -134,7 +134,9 @@ def run_prune(args: argparse.Namespace) -> int:
     text = render(plans, manifest)
     if args.eval is not None:
         task = args.eval_task or next(iter(plans))
-        text += "\n" + render_comparison(compare(spec, args.out, task, args.eval, args.tasks, args.baseline, max_seq_len))
+        text += "\n" + render_comparison(
+            compare(spec, args.out, task, args.eval, args.tasks, args.baseline, max_seq_len, precision=args.precision)
+        )
     print(text)
     print(f"wrote {args.out}")
     return 0
@@ -150,9 +152,11 @@ def compare(
     max_seq_len: int | None = None,
     batch_size: int = 32,
     progress: bool = True,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Accuracy on ``eval_input`` and latency (batch 16, seq 128 or the token limit) of ``task`` before and after pruning, both on
-    ONNX Runtime. The unpruned model is exported to a temporary folder unless ``baseline`` names its artifact."""
+    ONNX Runtime. The unpruned model is exported (at ``precision``, the pruned one's, so that only pruning differs) to a
+    temporary folder unless ``baseline`` names its artifact."""
     from fusionserve.export.artifact import export_artifact
     from fusionserve.export.prune import PruneError
     from fusionserve.scoring.evaluate import evaluate
@@ -167,7 +171,7 @@ def compare(
             baseline = scratch / "artifact"
             if progress:
                 print("exporting the unpruned model to compare against", file=sys.stderr)
-            export_artifact(spec_path, baseline, max_seq_len=max_seq_len, tasks=tasks, progress=progress)
+            export_artifact(spec_path, baseline, precision, max_seq_len=max_seq_len, tasks=tasks, progress=progress)
         runners = {"unpruned": OnnxRunner(baseline, device="cpu"), "pruned": OnnxRunner(pruned, device="cpu")}
         for name, runner in runners.items():
             if task not in runner.artifact.tasks:

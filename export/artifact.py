@@ -23,11 +23,12 @@ from fusionserve.serving.runtime import make_session
 from .build import Dropped
 from .model import FusionModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
+from .quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
 from .validate import GRIDS, check_parity, count_cases
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 def _source_checksums(spec: ModelSpec) -> dict[str, Any]:
@@ -122,12 +123,12 @@ def _built(
 
 
 class _Steps:
-    """One progress line for the export's six steps."""
+    """One progress line for the export's steps (six; int8 adds quantizing and its gate)."""
 
-    def __init__(self, progress: bool) -> None:
+    def __init__(self, progress: bool, steps: int = 6) -> None:
         self.progress = progress
         self.bar = tqdm(
-            total=6, desc="export", disable=not progress, file=sys.stderr, bar_format="{desc} [{n}/{total}, {elapsed}]"
+            total=steps, desc="export", disable=not progress, file=sys.stderr, bar_format="{desc} [{n}/{total}, {elapsed}]"
         )
 
     def __call__(self, what: str) -> None:
@@ -136,14 +137,23 @@ class _Steps:
 
 
 def _validated_graph(
-    work: Path, model: FusionModel, precision: str, opset: int, max_seq_len: int, step: _Steps, grid: str
-) -> tuple[Any, FusionReport, Any]:
-    """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report).
-    Raises ExportError or ParityError."""
+    work: Path,
+    model: FusionModel,
+    precision: str,
+    opset: int,
+    max_seq_len: int,
+    step: _Steps,
+    grid: str,
+    int8: Int8Options,
+) -> tuple[Any, FusionReport, Any, dict[str, Any] | None]:
+    """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 record).
+    int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph.
+    Raises ExportError, ParityError or Int8GateError."""
     raw = work / "raw.onnx"
     export_raw(model, raw, opset)
     step("ONNX exported")
-    report: FusionReport = optimize(raw, work / MODEL_FILE, model, precision)
+    graph_precision = "fp32" if precision == "int8" else precision  # int8 starts from the validated fp32 graph
+    report: FusionReport = optimize(raw, work / MODEL_FILE, model, graph_precision)
     for extra in work.glob("raw.onnx*"):
         extra.unlink()
     step(f"optimized ({report.describe()})")
@@ -152,9 +162,14 @@ def _validated_graph(
     session = make_session(work / MODEL_FILE, device="cpu")
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
-        parity = check_parity(session, model, precision, max_seq_len, progress=bar.update, grid=grid)
+        parity = check_parity(session, model, graph_precision, max_seq_len, progress=bar.update, grid=grid)
     step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
-    return session, report, parity
+    if precision != "int8":
+        return session, report, parity, None
+    step("quantizing to int8")
+    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress)
+    step(f"int8 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
+    return session, report, parity, record
 
 
 def export_artifact(
@@ -169,18 +184,21 @@ def export_artifact(
     dropped: Dropped | None = None,
     pruning: dict[str, Any] | None = None,
     parity_grid: str = "full",
+    int8: Int8Options = DEFAULT_OPTIONS,
 ) -> dict[str, Any]:
     """Export a spec to an artifact folder and return its manifest. ``tasks`` serves only those tasks of the spec;
     ``dropped`` prunes fusions (see ``build.build_model``) and ``pruning`` is recorded in the manifest with it;
-    ``parity_grid`` is how much of the shape grid each task is checked on (see ``validate.GRIDS``).
+    ``parity_grid`` is how much of the shape grid each task is checked on (see ``validate.GRIDS``);
+    ``int8``: how precision 'int8' quantizes and the gate it must pass (see ``quantize``).
 
     Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
-    Runtime disagrees with PyTorch beyond the tolerance) or FusionServeError (bad options, existing folder)."""
+    Runtime disagrees with PyTorch beyond the tolerance), Int8GateError (the int8 graph departs from the fp32 one
+    beyond the gate) or FusionServeError (bad options, existing folder)."""
     out = Path(out).resolve()
     _check_options(precision, opset, out, force)
     if parity_grid not in GRIDS:
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
-    step = _Steps(progress)
+    step = _Steps(progress, 8 if precision == "int8" else 6)
     spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len)
     step("model built")
 
@@ -188,7 +206,9 @@ def export_artifact(
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
-        session, report, parity = _validated_graph(work, model, precision, opset, max_seq_len, step, parity_grid)
+        session, report, parity, int8_record = _validated_graph(
+            work, model, precision, opset, max_seq_len, step, parity_grid, int8
+        )
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():
             tok.backend_tokenizer.save(str(work / TOKENIZER_FILE))
@@ -196,6 +216,8 @@ def export_artifact(
         manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token), inputs)
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
+        if int8_record is not None:
+            manifest["int8"] = int8_record
         if pruning is not None:
             manifest["pruning"] = pruning
         manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}

@@ -149,7 +149,9 @@ def render_manifest(manifest: dict[str, Any]) -> str:
         f"{base.get('attention_heads')} heads",
         "parity      max |diff| vs PyTorch: "
         + ", ".join(f"{k} {v:.2g}" for k, v in parity["max_abs_diff"].items())
-        + f" over {parity['cases']} cases (tolerance {parity['tolerance']['logits']:g})",
+        + f" over {parity['cases']} cases (tolerance {parity['tolerance']['logits']:g})"
+        + (f", of the {parity['precision']} graph before quantization" if "int8" in manifest else ""),
+        *render_int8(manifest.get("int8")),
         f"fused ops   {manifest.get('fused_operators', {}).get('summary', '?')}",
         "adapters per layer",
     ]
@@ -176,3 +178,21 @@ def render_manifest(manifest: dict[str, Any]) -> str:
             for layer, kept in enumerate(t["kept_per_layer"]):
                 lines.append(f"  {task} L{layer}: {', '.join(kept) or '- (fusion dropped)'}")
     return "\n".join(lines)
+
+
+def render_int8(record: dict[str, Any] | None) -> list[str]:
+    """An int8 artifact's gate figures and what was quantized, as lines for a terminal (none for other precisions)."""
+    if not record:
+        return []
+    gate, limits, q = record["gate"], record["gate"]["thresholds"], record["quantization"]
+    size = record["model_bytes"]
+    kept = ", ".join(f"{op} {k['count']}" for op, k in q["kept_fp32"].items())
+    return [
+        f"int8 gate   vs the fp32 graph over {gate['rows']} rows ({gate['cases']} cases): label agreement "
+        f"{gate['label_agreement']:.2%} (min {limits['min_label_agreement']:.0%}), max probability change "
+        f"{gate['max_probability_change']:.3f} (max {limits['max_probability_change']:g}); fusion activations max change "
+        f"{gate['max_fusion_activation_change']:.3f} (recorded)",
+        "int8        quantized "
+        + ", ".join(f"{op} {n}/{q['of'][op]}" for op, n in q["quantized"].items())
+        + f" ({q['weights']}); fp32: {kept}; model.onnx {size['int8'] / 2**20:.1f} MB (fp32 {size['fp32'] / 2**20:.1f} MB)",
+    ]

@@ -138,7 +138,7 @@ def test_existing_file_as_out_needs_force(built_st, tmp_path):
 @pytest.mark.parametrize(
     "option, says",
     [
-        ({"precision": "int8"}, ["--precision", "'int8'", "fp32, fp16"]),
+        ({"precision": "int4"}, ["--precision", "'int4'", "fp32, fp16, int8"]),
         ({"opset": 3}, ["--opset", "got 3"]),
         ({"max_seq_len": 4}, ["--max-seq-len", "got 4", "512"]),
         ({"max_seq_len": 100_000}, ["--max-seq-len", "got 100000"]),

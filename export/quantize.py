@@ -1,0 +1,289 @@
+"""int8 for CPU: ONNX Runtime's dynamic quantization of the validated fp32 graph, and the gate the int8 graph must
+pass against it before it may become an artifact.
+
+What is quantized, decided by measurement on the default model (benchmarks/int8.py, benchmarks/RESULTS.md):
+every MatMul with a constant weight — the backbone's attention output and feed-forward GEMMs, the adapters'
+stacked down-projection and, in a graph whose fusion weights are constants (one task), the folded fusion
+matrices — and the fused Attention's QKV projection (QAttention). Weights are int8 with one scale per output
+column (per-channel: on the default model's dev splits per-tensor scales changed 3-12% of the labels, per-channel
+0-7%), activations uint8 with one scale per tensor, computed at run time. Quantizing the adapter path as well
+changed no more labels than leaving it fp32 (measured both) and is where a fusion graph spends its remaining fp32
+GEMM time, so it is quantized. What stays fp32: the embeddings (a table lookup: nothing to gain), every
+LayerNormalization and Softmax (the fusion weights among them: dynamic quantization has no int8 form of either), the
+MatMuls whose weights a task index selects at run time (a multi-task graph's fusion matrices: only constant weights
+can be quantized ahead of time), and the classification heads (Gemm on one token per row).
+
+The gate cannot be parity to 1e-4: int8 moves every logit. It checks what a caller sees, against the fp32 graph
+the int8 one was made from (itself within 1e-4 of PyTorch), over the export's validation grid for every task:
+the share of rows whose label is unchanged, and the largest change of any label's probability. Every figure that
+breaks its threshold is collected, then one error lists them all and no artifact is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .model import FusionModel
+from .onnx_export import ExportError
+from .validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs
+
+QUANTIZED_OPS = ("MatMul", "Attention")
+ADAPTER_NODES = "/blocks."  # name prefix of the adapter blocks' nodes in the exported graph
+# op type in the int8 graph -> why it is (still) floating point
+KEPT_FP32 = {  # what stays floating point -> (what the manifest calls it, why)
+    "EmbedLayerNormalization": ("embeddings", "a table lookup: nothing to gain"),
+    "SkipLayerNormalization": ("LayerNorm", "no int8 form"),
+    "LayerNormalization": ("LayerNorm", "no int8 form"),
+    "Softmax": ("Softmax", "the fusion weights: no int8 form"),
+    "Gemm": ("heads", "the classification heads run on one token per row: nothing to gain"),
+    "task MatMul": (
+        "MatMul without stored weights",
+        "weights picked by the task index at run time (a multi-task graph's fusion matrices) or made in the graph (the "
+        "0/1 matrix placing fusion weights in their output columns): only stored weights are quantized",
+    ),
+    "adapter MatMul": ("adapter path", "left in fp32 as asked (adapter_path=False)"),
+}
+
+
+class Int8GateError(ParityError):
+    """The int8 graph departs from the fp32 graph beyond the gate; no artifact was written."""
+
+
+@dataclass(frozen=True)
+class Int8Gate:
+    """Thresholds an int8 graph must meet against its fp32 graph over the validation grid (every task, every row).
+
+    The grid's inputs are random token ids, which a trained model often finds ambiguous (top two labels close),
+    so labels flip there more often than on real text: the defaults were set from the default model and the
+    benchmark models, whose int8 graphs (per-channel) reached 97-100% agreement and changed no probability by more
+    than 0.2 on the grid, while a per-tensor int8 graph of the default model scored lower on both (RESULTS.md)."""
+
+    min_label_agreement: float = 0.85  # share of rows whose label equals the fp32 graph's
+    max_probability_change: float = 0.3  # largest |p_int8 - p_fp32| of any label of any row
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_label_agreement <= 1.0:
+            raise ValueError(f"min_label_agreement must be in [0, 1], got {self.min_label_agreement}")
+        if not 0.0 <= self.max_probability_change <= 1.0:
+            raise ValueError(f"max_probability_change must be in [0, 1], got {self.max_probability_change}")
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    """How the fp32 graph is quantized and the gate it must pass. The defaults are what the measurements chose;
+    the others are there to measure the choice again (benchmarks/int8.py)."""
+
+    per_channel: bool = True  # weights: one scale per output column (False: one per tensor)
+    adapter_path: bool = True  # quantize the adapters' and fusions' constant-weight MatMuls too
+    gate: Int8Gate = field(default_factory=Int8Gate)
+
+
+DEFAULT_OPTIONS = Int8Options()
+
+
+@dataclass
+class GateReport:
+    """The gate's figures over the grid; ``worst`` says where each extreme happened."""
+
+    gate: Int8Gate
+    rows: int = 0
+    agreeing: int = 0
+    max_probability_change: float = 0.0
+    max_fusion_activation_change: float = 0.0  # recorded, not gated: the adapters' weights per token
+    worst: dict[str, str] = field(default_factory=dict)
+    cases: int = 0
+
+    @property
+    def label_agreement(self) -> float:
+        return self.agreeing / self.rows if self.rows else 1.0
+
+    def failures(self) -> list[str]:
+        bad = []
+        if not self.label_agreement >= self.gate.min_label_agreement:
+            bad.append(
+                f"  label agreement {self.label_agreement:.2%} ({self.agreeing} of {self.rows} rows) "
+                f"< {self.gate.min_label_agreement:.2%}"
+            )
+        if not self.max_probability_change <= self.gate.max_probability_change:
+            bad.append(
+                f"  max probability change {self.max_probability_change:.3g} > {self.gate.max_probability_change:g} "
+                f"at {self.worst.get('probability', '?')}"
+            )
+        return bad
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "thresholds": asdict(self.gate),
+            "label_agreement": self.label_agreement,
+            "rows": self.rows,
+            "max_probability_change": self.max_probability_change,
+            "max_fusion_activation_change": self.max_fusion_activation_change,
+            "worst_case": self.worst,
+            "cases": self.cases,
+            "grid": {"batch_sizes": list(BATCH_SIZES), "sequence_lengths": list(SEQ_LENS), "padded": True},
+            "reference": "the fp32 graph this one was quantized from (see 'parity')",
+        }
+
+
+def quantize_graph(src: Path, dst: Path, options: Int8Options = DEFAULT_OPTIONS) -> dict[str, Any]:
+    """Quantize the optimized fp32 graph ``src`` into ``dst`` (dynamic int8, see the module docstring) and return
+    what was quantized and what stayed floating point, for the manifest."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    before = onnx.load(str(src), load_external_data=False)
+    nodes = quantizable(before, options.adapter_path)
+    if not nodes:  # an empty list would mean "every node" to the quantizer
+        raise ExportError(f"{src}: no MatMul with a constant weight and no Attention to quantize")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)  # the quantizer advises shape-inference pre-processing: ORT's optimizer did it
+        try:
+            quantize_dynamic(
+                src,
+                dst,
+                op_types_to_quantize=list(QUANTIZED_OPS),
+                nodes_to_quantize=nodes,  # by name: the quantizer would also turn the heads' Gemms into MatMuls
+                per_channel=options.per_channel,
+                weight_type=QuantType.QInt8,
+                # the contrib operators of the optimized graph (Attention, SkipLayerNormalization, ...) have no ONNX
+                # shape inference: their outputs are float32, which is what this says
+                extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
+            )
+        finally:
+            logging.disable(logging.NOTSET)
+    return describe(before, nodes, onnx.load(str(dst)), options)
+
+
+def quantizable(graph: onnx.ModelProto, adapter_path: bool = True) -> list[str]:
+    """Names of the nodes to quantize: every Attention, and every MatMul whose weight (second input) is an
+    initializer — fixed at export, so it can be quantized once, ahead of time. ``adapter_path=False`` leaves out
+    the adapter blocks' nodes (named ``/blocks.<layer>/...`` by the exporter, as the fp16 conversion relies on)."""
+    weights = {t.name for t in graph.graph.initializer}
+    return [
+        n.name
+        for n in graph.graph.node
+        if (n.op_type == "Attention" or (n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in weights))
+        and (adapter_path or not n.name.startswith(ADAPTER_NODES))
+    ]
+
+
+def _weights_by_type(model: onnx.ModelProto) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for t in model.graph.initializer:
+        out[onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name] += int(np.prod(t.dims))
+    return out
+
+
+def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelProto, options: Int8Options) -> dict[str, Any]:
+    """Operators quantized, operators left in floating point (with why), and weights by element type."""
+    chosen = set(quantized)
+    weights = {t.name for t in before.graph.initializer}
+    kept: Counter[str] = Counter()
+    for n in before.graph.node:
+        kind = n.op_type
+        if n.name in chosen:
+            continue
+        if kind == "MatMul":
+            kind = "adapter MatMul" if len(n.input) > 1 and n.input[1] in weights else "task MatMul"
+        if kind in KEPT_FP32:
+            kept[kind] += 1
+    fp32: dict[str, dict[str, Any]] = {}
+    for kind, count in kept.items():
+        label, why = KEPT_FP32[kind]
+        entry = fp32.setdefault(label, {"count": 0, "why": why})
+        entry["count"] += count
+    ops = Counter(n.op_type for n in before.graph.node if n.name in chosen)
+    return {
+        "method": "onnxruntime.quantization.quantize_dynamic",
+        "weights": "int8, symmetric, " + ("one scale per output column" if options.per_channel else "one scale per tensor"),
+        "activations": "uint8, asymmetric, one scale per tensor computed at run time",
+        "adapter_path": options.adapter_path,
+        "quantized": {op: ops[op] for op in QUANTIZED_OPS},
+        "of": {op: sum(n.op_type == op for n in before.graph.node) for op in QUANTIZED_OPS},
+        "kept_fp32": fp32,
+        "weights_by_type": dict(_weights_by_type(after)),
+    }
+
+
+def _probabilities(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def check_int8(
+    int8: object,
+    fp32: object,
+    model: FusionModel,
+    max_seq_len: int,
+    gate: Int8Gate,
+    progress: Callable[[int], None] | None = None,
+) -> GateReport:
+    """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over
+    the validation grid. Raises Int8GateError listing every figure that breaks ``gate``."""
+    report = GateReport(gate)
+    wanted = {i.name for i in fp32.get_inputs()}  # type: ignore[attr-defined]
+    for task, index in model.task_index.items():
+        n = len(model.infos[task].labels)
+        task_id = np.array([index], dtype=np.int64)
+        for batch, seq, feeds in grid_inputs(model.backbone.vocab_size, max_seq_len):
+            feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
+            want = fp32.run(None, feed)  # type: ignore[attr-defined]
+            got = int8.run(None, feed)  # type: ignore[attr-defined]
+            p_want, p_got = _probabilities(want[0][:, :n]), _probabilities(got[0][:, :n])  # (batch, labels)
+            report.rows += batch
+            report.agreeing += int((p_want.argmax(-1) == p_got.argmax(-1)).sum())
+            where = f"task {task}, batch {batch}, sequence {seq}"
+            change = float(np.abs(p_got - p_want).max()) if np.isfinite(p_got).all() else float("inf")
+            if change >= report.max_probability_change:
+                report.max_probability_change, report.worst["probability"] = change, where
+            real = feeds["attention_mask"][:, None, :, None].astype(bool)  # (batch, 1, seq, 1)
+            acts = float(np.abs((got[1] - want[1]) * real).max()) if got[1].size else 0.0
+            if acts >= report.max_fusion_activation_change:
+                report.max_fusion_activation_change, report.worst["fusion_activations"] = acts, where
+            report.cases += 1
+            if progress is not None:
+                progress(1)
+    bad = report.failures()
+    if bad:
+        raise Int8GateError(
+            f"the int8 graph departs from the fp32 graph beyond the gate over {report.rows} rows "
+            f"({report.cases} cases); no artifact written:\n" + "\n".join(bad)
+        )
+    return report
+
+
+def int8_graph(
+    work: Path, fp32: object, model: FusionModel, max_seq_len: int, options: Int8Options, progress: bool
+) -> tuple[Any, dict[str, Any]]:
+    """Quantize ``work``/model.onnx (the validated fp32 graph, whose session is ``fp32``) in place and gate it;
+    (int8 session, the manifest's 'int8' record). Raises Int8GateError, leaving the fp32 graph in place."""
+    from tqdm import tqdm
+
+    from fusionserve.serving.artifact import MODEL_FILE
+    from fusionserve.serving.runtime import make_session
+
+    from .validate import count_cases
+
+    src, dst = work / MODEL_FILE, work / "int8.onnx"
+    record: dict[str, Any] = {"quantization": quantize_graph(src, dst, options)}
+    session = make_session(dst, device="cpu")
+    with tqdm(total=count_cases(model, max_seq_len), desc="int8 gate", unit="case", disable=not progress, leave=False) as bar:
+        record["gate"] = check_int8(session, fp32, model, max_seq_len, options.gate, bar.update).as_dict()
+    record["model_bytes"] = {"fp32": _bytes(src), "int8": _bytes(dst)}
+    dst.replace(src)  # the session holds the graph in memory; the artifact keeps only the int8 file
+    return session, record
+
+
+def _bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))

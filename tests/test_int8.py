@@ -1,0 +1,136 @@
+"""`fusionserve export --precision int8`: the tiny model's int8 graph passes its gate, which is recorded in the manifest
+and shown by `inspect`; a tightened gate refuses the same graph and writes nothing; int8 labels agree with fp32 on
+the test inputs; `prune --precision int8`. Serving an int8 artifact over HTTP is in test_int8_serving.py."""
+
+from collections import Counter
+from dataclasses import asdict
+
+import numpy as np
+import onnx
+import pytest
+
+from fusionserve.export.artifact import export_artifact
+from fusionserve.export.build import build_model
+from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8GateError, Int8Options
+from fusionserve.export.spec import load_spec
+from fusionserve.export.validate import BATCH_SIZES, TOLERANCES
+from fusionserve.serving.artifact import load_artifact
+from fusionserve.serving.predictions import softmax
+from fusionserve.serving.runtime import OnnxRunner
+from tests.adapterhub_models import TASKS
+from tests.export_helpers import _cli
+from tests.runtime_helpers import MAX_SEQ_LEN, _batches
+
+LAYERS = 3
+# per layer: the attention output and both feed-forward GEMMs, and the adapters' stacked down-projection; the fusion
+# matrices of this 7-task graph are picked by the task index at run time and stay fp32
+QUANTIZED_MATMULS = 4 * LAYERS
+
+
+@pytest.fixture(scope="module")
+def int8(built_st, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("int8") / "artifact"
+    manifest = export_artifact(built_st.spec, folder, "int8", max_seq_len=MAX_SEQ_LEN, progress=False)
+    return folder, manifest
+
+
+def test_int8_export_passes_its_gate_and_records_it(int8):
+    folder, manifest = int8
+    assert manifest["precision"] == "int8" and load_artifact(folder).manifest == manifest  # checksums hold
+    # the fp32 graph matched PyTorch to fp32's tolerance before it was quantized
+    assert manifest["parity"]["precision"] == "fp32" and manifest["parity"]["tolerance"] == TOLERANCES["fp32"]
+    gate = manifest["int8"]["gate"]
+    assert gate["thresholds"] == asdict(DEFAULT_OPTIONS.gate)
+    assert gate["label_agreement"] >= gate["thresholds"]["min_label_agreement"]
+    assert 0 < gate["max_probability_change"] <= gate["thresholds"]["max_probability_change"]  # > 0: it did change
+    assert gate["rows"] == len(TASKS) * sum(BATCH_SIZES) and gate["cases"] == len(TASKS) * len(BATCH_SIZES)
+
+    q = manifest["int8"]["quantization"]
+    assert q["quantized"] == {"MatMul": QUANTIZED_MATMULS, "Attention": LAYERS}
+    kept = {op: k["count"] for op, k in q["kept_fp32"].items()}
+    assert kept["embeddings"] == 1 and kept["LayerNorm"] == 3 * LAYERS and kept["Softmax"] == LAYERS
+    assert kept["heads"] == 2 * len(TASKS)  # two linears each
+    assert kept["MatMul without stored weights"] == 4 * LAYERS  # per layer: the task's fusion matrices (3), placement
+    assert manifest["int8"]["model_bytes"]["int8"] < manifest["int8"]["model_bytes"]["fp32"]
+
+
+def test_int8_graph_quantizes_the_gemms_and_keeps_the_rest_in_fp32(built_st, int8):
+    folder, _ = int8
+    graph = onnx.load(str(folder / "model.onnx")).graph
+    ops = Counter(n.op_type for n in graph.node)
+    assert (ops["QAttention"], ops["Attention"], ops["MatMulInteger"]) == (LAYERS, 0, QUANTIZED_MATMULS)
+    assert ops["SkipLayerNormalization"] == 3 * LAYERS and ops["Softmax"] == LAYERS and ops["EmbedLayerNormalization"] == 1
+    by_type = Counter()
+    for t in graph.initializer:
+        if not t.name.endswith(("_zero_point", "_scale")):  # one of each per output column beside every int8 weight
+            by_type[t.data_type] += int(np.prod(t.dims))
+    model = build_model(load_spec(built_st.spec))
+    layers = model.backbone.model.encoder.layer
+    gemms = sum(m.weight.numel() for layer in layers for m in (layer.attention.self.query, layer.attention.self.key,
+                layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense, layer.output.dense))  # fmt: skip
+    down = sum(block.down_w.numel() for block in model.blocks if hasattr(block, "down_w"))  # adapter sites only
+    assert by_type[onnx.TensorProto.INT8] == gemms + down  # exactly the backbone's GEMMs and the down-projections
+    embeddings = model.backbone.model.embeddings.word_embeddings.weight.numel()
+    assert by_type[onnx.TensorProto.FLOAT] > embeddings  # the embeddings (and the rest) stay float
+    assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.INT64] * 4
+    assert [o.type.tensor_type.elem_type for o in graph.output] == [onnx.TensorProto.FLOAT] * 2
+
+
+def test_int8_labels_agree_with_fp32_on_the_test_inputs(artifacts, int8):
+    fp32, quantized = OnnxRunner(artifacts.fp32, device="cpu"), OnnxRunner(int8[0], device="cpu")
+    limit = DEFAULT_OPTIONS.gate.max_probability_change
+    moved = 0.0
+    for task in TASKS:
+        for what, inputs in _batches().items():
+            want, _ = fp32.logits(task, inputs)
+            got, _ = quantized.logits(task, inputs)
+            np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1), err_msg=f"{task} {what}")
+            change = float(np.abs(softmax(got.astype(np.float64)) - softmax(want.astype(np.float64))).max())
+            assert change <= limit, f"{task} {what}: probability moved by {change:.3f}"
+            moved = max(moved, float(np.abs(got - want).max()))
+    assert moved > 1e-4  # beyond fp32's tolerance: it really ran in int8
+
+
+def test_tightened_gate_refuses_with_every_failing_figure_and_writes_nothing(built_st, int8, tmp_path):
+    passed = int8[1]["int8"]["gate"]  # the same graph, measured under the default gate
+    out = tmp_path / "artifact"
+    strict = Int8Options(gate=Int8Gate(min_label_agreement=1.0, max_probability_change=0.0))
+    with pytest.raises(Int8GateError) as exc:
+        export_artifact(built_st.spec, out, "int8", max_seq_len=MAX_SEQ_LEN, progress=False, int8=strict)
+    message = str(exc.value)
+    assert "no artifact written" in message
+    assert f"max probability change {passed['max_probability_change']:.3g} > 0 at task " in message
+    # label agreement is listed exactly when it, too, falls short of 100% (ties can flip on int8 kernels)
+    assert (f"label agreement {passed['label_agreement']:.2%}" in message) == (passed["label_agreement"] < 1.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gate_thresholds_are_checked():
+    with pytest.raises(ValueError, match="min_label_agreement must be in"):
+        Int8Gate(min_label_agreement=1.5)
+    with pytest.raises(ValueError, match="max_probability_change must be in"):
+        Int8Gate(max_probability_change=-0.1)
+
+
+def test_cli_export_int8_inspect_and_prune(built_st, stats, tmp_path, capsys):
+    art = tmp_path / "int8"
+    code, out, _ = _cli(capsys, "export", built_st.spec, "--out", art, "--precision", "int8", "--max-seq-len", 16)
+    assert code == 0, out
+    assert f"wrote {art}: {len(TASKS)} task(s), int8" in out and "int8 gate   vs the fp32 graph over" in out
+    gate = load_artifact(art).manifest["int8"]["gate"]
+    code, out, _ = _cli(capsys, "inspect", art)
+    assert code == 0 and "int8, opset 17" in out and "of the fp32 graph before quantization" in out
+    assert f"label agreement {gate['label_agreement']:.2%} (min 85%)" in out
+    assert f"max probability change {gate['max_probability_change']:.3f} (max 0.3)" in out
+    assert "quantized MatMul 12/24, Attention 3/3" in out
+
+    pruned = tmp_path / "pruned"
+    argv = ["prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--tasks", "rte", "--out", pruned]
+    code, out, _ = _cli(capsys, *argv, "--precision", "int8", "--max-seq-len", 16)
+    assert code == 0, out
+    manifest = load_artifact(pruned).manifest
+    assert manifest["precision"] == "int8" and manifest["pruning"]["tasks"]["rte"]["kept"]
+    gate = manifest["int8"]["gate"]
+    assert gate["label_agreement"] >= gate["thresholds"]["min_label_agreement"]
+    code, out, _ = _cli(capsys, "predict", pruned, "--task", "rte", "--text", "the movie was great")
+    assert code == 0 and '"label": ' in out

@@ -1,0 +1,69 @@
+"""End to end with an int8 artifact: the real `fusionserve serve` on 127.0.0.1 answers from the quantized graph, as
+`OnnxRunner` does in-process, with nothing int8-specific in the server. One request path only: everything else about
+the server is precision-blind and covered by test_serving_e2e.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fusionserve.export.artifact import export_artifact
+from fusionserve.serving.predictions import TextInput, softmax
+from fusionserve.serving.runtime import OnnxRunner
+from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.test_serving_e2e import _call, _free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(built_st, tmp_path_factory):
+    art = tmp_path_factory.mktemp("int8-serve") / "art"
+    export_artifact(built_st.spec, art, "int8", max_seq_len=16, progress=False)
+    port, log = _free_port(), art.parent / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(art), "--port", str(port), "--threads", "1"]
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                if _call(url + "/readyz", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"server not ready (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
+        yield url, art
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_int8_artifact_served_over_http_answers_as_in_process(served):
+    url, art = served
+    local = OnnxRunner(art, device="cpu")
+    assert local.artifact.manifest["precision"] == "int8"
+    inputs = [SENTENCES[0], {"text": PAIRS[0][0], "text_pair": PAIRS[0][1]}]
+    status, body = _call(url + "/v1/classify", {"task": "rte", "inputs": inputs, "return_fusion_activations": True})
+    assert status == 200, body
+    want, _ = local.logits("rte", [TextInput(SENTENCES[0]), TextInput(*PAIRS[0])])
+    probs = softmax(want.astype(np.float64))
+    for pred, p in zip(body["predictions"], probs, strict=True):
+        np.testing.assert_allclose([pred["scores"][label] for label in local.labels["rte"]], p, atol=1e-5)
+        assert pred["label"] == local.labels["rte"][int(np.argmax(p))]
+    values = np.asarray(body["fusion_activations"]["values"])  # (inputs, layers, adapters)
+    np.testing.assert_allclose(values.sum(-1), 1.0, atol=1e-4)
+    status, tasks = _call(url + "/v1/tasks")
+    assert status == 200 and tasks["max_seq_len"] == 16
