@@ -1,6 +1,7 @@
 """In-process latency of the served graph against the plain backbone and against AdapterHub, side by side.
 
     python -m benchmarks.latency [--geometries minilm bert-base roberta-base] [--batches 1 16] [--seq 128] [--rounds-scale 1.0]
+    python -m benchmarks.latency --int8 ...   # only what issue 13's targets compare, in its own section
 
 Variants, all timed in one process, round-robin (each round runs every variant once, in a shuffled order, so
 machine noise hits all of them alike); the median over rounds after warm-up is reported:
@@ -9,6 +10,9 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``plain (PyTorch eager)``: the same backbone + head in PyTorch eager, to show what the runtime itself gives
 - ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
+- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (weights one scale per output column)
+- ``fusion N=8 int8 per-tensor (ORT)``: the same with one scale per weight tensor (measured, not shipped; its gate is
+  switched off here: benchmarks/int8.py measures what it does to labels)
 - ``fusionserve eager N``: the same folded model in PyTorch eager
 - ``AdapterHub eager N``: AdapterHub's own model (BertAdapterModel, RobertaAdapterModel) with Fuse active, PyTorch eager
 
@@ -17,6 +21,10 @@ those shapes: hidden 768, 12 layers; RoBERTa with its 50,265-token vocabulary an
 
 ``--ort-only`` times the ONNX Runtime variants alone (plain, fusion N, 4 tasks): on a busy shared machine the eager
 variants make a round of a base-sized geometry at batch 16 take minutes, and a few rounds cannot average the noise.
+
+Both int8 graphs are the fp32 N=8 artifact's validated graph quantized and gated as ``export --precision int8`` does
+(``models.int8_copy``). ``--int8`` times only plain (ORT), fusion N=8 (ORT), the two int8 graphs and AdapterHub eager
+N=8, and records them in their own section (results/latency_int8.*), leaving the full table as it was.
 
 Writes benchmarks/results/latency.json, benchmarks/results/latency.png and the table in benchmarks/RESULTS.md.
 """
@@ -37,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
-from benchmarks.models import BenchModel, bert_base_folder, build, minilm_folder, roberta_base_folder
+from benchmarks.models import BenchModel, bert_base_folder, build, int8_copy, minilm_folder, roberta_base_folder
 from benchmarks.report import machine, record
 from fusionserve.scoring.timing import time_round_robin
 
@@ -54,6 +62,17 @@ def _artifact(model: BenchModel, out: Path) -> Path:
     if not (out / "manifest.json").is_file():
         export_artifact(model.spec, out, max_seq_len=128, force=True)
     return out
+
+
+def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path]:
+    """The shipped int8 (per-channel, default gate) and the per-tensor one (gate off: only timed here)."""
+    from fusionserve.export.quantize import Int8Gate, Int8Options
+
+    per_tensor = Int8Options(per_channel=False, gate=Int8Gate(0.0, 1.0))
+    return {
+        "n8-int8": int8_copy(fp32, work / "n8-int8-art", model.spec),
+        "n8-int8-pt": int8_copy(fp32, work / "n8-int8-pt-art", model.spec, per_tensor),
+    }
 
 
 def _ort(path: Path, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
@@ -114,15 +133,23 @@ def summary_ms(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 
 def run_geometry(
-    name: str, base: Path, work: Path, batches: list[int], seq: int, rounds_scale: float, ort_only: bool = False
+    name: str,
+    base: Path,
+    work: Path,
+    batches: list[int],
+    seq: int,
+    rounds_scale: float,
+    ort_only: bool = False,
+    only_int8: bool = False,
 ) -> dict:
     print(f"== {name}: building and exporting models in {work}", file=sys.stderr)
     plain = build(work / "plain", base, 0)
-    fused = {n: build(work / f"n{n}", base, n) for n in N_VALUES}
-    multi = build(work / "n8-4tasks", base, 8, n_tasks=4)
+    fused = {n: build(work / f"n{n}", base, n) for n in ((8,) if only_int8 else N_VALUES)}
     arts = {"plain": _artifact(plain, work / "plain-art")}
     arts |= {f"n{n}": _artifact(m, work / f"n{n}-art") for n, m in fused.items()}
-    arts["n8-4tasks"] = _artifact(multi, work / "n8-4tasks-art")
+    if not only_int8:
+        arts["n8-4tasks"] = _artifact(build(work / "n8-4tasks", base, 8, n_tasks=4), work / "n8-4tasks-art")
+    arts |= _int8_artifacts(fused[8], arts["n8"], work)
     vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
     sizes_mb = {k: round(sum(f.stat().st_size for f in p.glob("model.onnx*")) / 2**20, 1) for k, p in arts.items()}
 
@@ -131,14 +158,18 @@ def run_geometry(
         feeds = _feeds(batch, seq, vocab)
         feeds3 = dict(feeds, task_id=np.array([3], dtype=np.int64))
         variants: dict[str, Callable[[], object]] = {"plain (ORT)": _ort(arts["plain"], feeds)}
-        if not ort_only:
+        if not (ort_only or only_int8):
             variants["plain (PyTorch eager)"] = _eager_ours(plain.spec, feeds, "task0")
         for n, m in fused.items():
             variants[f"fusion N={n} (ORT)"] = _ort(arts[f"n{n}"], feeds)
-            if not ort_only:
+            if not (ort_only or only_int8):
                 variants[f"fusionserve eager N={n}"] = _eager_ours(m.spec, feeds, "task0")
+            if not ort_only:
                 variants[f"AdapterHub eager N={n}"] = _eager_adapterhub(m.reference, feeds)
-        variants["fusion N=8, 4 tasks (ORT)"] = _ort(arts["n8-4tasks"], feeds3)
+        if not only_int8:
+            variants["fusion N=8, 4 tasks (ORT)"] = _ort(arts["n8-4tasks"], feeds3)
+        variants["fusion N=8 int8 (ORT)"] = _ort(arts["n8-int8"], feeds)
+        variants["fusion N=8 int8 per-tensor (ORT)"] = _ort(arts["n8-int8-pt"], feeds)
         # one forward of BERT-base at batch 16 takes seconds here: fewer rounds for bigger work
         work_units = batch * seq * (4 if name in BASE_SIZED else 1)
         rounds = max(5, int(rounds_scale * (40 if work_units <= 512 else 12 if work_units <= 4096 else 6)))
@@ -148,14 +179,17 @@ def run_geometry(
 
 
 def ratios(res: dict) -> dict[str, dict[str, float]]:
-    """Per batch: fusion N / plain (ORT), AdapterHub eager N / fusion N (ORT), 4-task / 1-task graph (those whose
-    variants were timed: ``--ort-only`` leaves out the eager ones)."""
+    """Per batch: fusion N / plain (ORT), AdapterHub eager N / fusion N (ORT), 4-task / 1-task graph, fp32 / int8 (those
+    whose variants were timed: ``--ort-only`` leaves out the eager ones, ``--int8`` all but N=8, older runs int8)."""
     out = {}
     for batch, row in res["batches"].items():
         pairs = {f"fusion N={n} / plain": (f"fusion N={n} (ORT)", "plain (ORT)") for n in N_VALUES}
         pairs |= {f"AdapterHub eager N={n} / fusion N={n}": (f"AdapterHub eager N={n}", f"fusion N={n} (ORT)") for n in N_VALUES}
         pairs["4-task graph / 1-task graph (N=8)"] = ("fusion N=8, 4 tasks (ORT)", "fusion N=8 (ORT)")
         pairs["plain PyTorch eager / plain ORT"] = ("plain (PyTorch eager)", "plain (ORT)")
+        pairs["fusion N=8 fp32 / int8"] = ("fusion N=8 (ORT)", "fusion N=8 int8 (ORT)")
+        pairs["fusion N=8 fp32 / int8 per-tensor"] = ("fusion N=8 (ORT)", "fusion N=8 int8 per-tensor (ORT)")
+        pairs["AdapterHub eager N=8 / fusion N=8 int8"] = ("AdapterHub eager N=8", "fusion N=8 int8 (ORT)")
         out[batch] = {k: row[a]["median_ms"] / row[b]["median_ms"] for k, (a, b) in pairs.items() if a in row and b in row}
     return out
 
@@ -228,6 +262,26 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_bars(results: list[dict], path: Path) -> None:
+    """--int8: median ms of every timed variant, one panel per geometry and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(results[0]["batches"])
+    fig, axes = plt.subplots(len(results), len(batches), figsize=(6.0 * len(batches), 3.2 * len(results)), squeeze=False)
+    for i, res in enumerate(results):
+        for j, b in enumerate(batches):
+            ax, row = axes[i][j], res["batches"][b]
+            ax.barh(list(row), [v["median_ms"] for v in row.values()])
+            ax.set_title(f"{res['geometry']}, batch {b}, seq {res['seq']}: median ms", fontsize=9)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
@@ -237,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ort-only", action="store_true", help="time only the ONNX Runtime variants (more rounds in the time eager takes)"
     )
+    p.add_argument("--int8", action="store_true", help="only the int8 comparison (N=8), in its own section")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
@@ -246,20 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
+    key, title, draw = (
+        ("latency_int8", "Latency: int8 against fp32 (in-process)", plot_bars)
+        if args.int8
+        else ("latency", "Latency (in-process)", plot)
+    )
     if args.render_only:
-        data = json.loads((args.out / "latency.json").read_text())
+        data = json.loads((args.out / f"{key}.json").read_text())
         commands = data.get("commands", [data["command"]])
         for r in data["results"]:
             r.setdefault("machine", data["machine"])
-        record(
-            args.out,
-            "latency",
-            "Latency (in-process)",
-            data,
-            lambda path: plot(data["results"], path),
-            markdown(data["results"], commands),
-            True,
-        )
+        record(args.out, key, title, data, lambda path: draw(data["results"], path), markdown(data["results"], commands), True)
         return 0
     torch.set_num_threads(THREADS)
     torch.set_num_interop_threads(1)
@@ -268,9 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     for geo in args.geometries:
         random_bases = {"bert-base": bert_base_folder, "roberta-base": roberta_base_folder}
         base = minilm_folder() if geo == "minilm" else random_bases[geo](args.workdir)
-        results.append(run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale, args.ort_only))
+        results.append(
+            run_geometry(geo, base, args.workdir / geo, args.batches, args.seq, args.rounds_scale, args.ort_only, args.int8)
+        )
     commands = [command.strip()]
-    previous = args.out / "latency.json"
+    previous = args.out / f"{key}.json"
     if args.keep_others and previous.is_file():
         old = json.loads(previous.read_text())
         kept = [r for r in old["results"] if r["geometry"] not in args.geometries]
@@ -281,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             commands = [*old.get("commands", [old["command"]]), *commands]
     data = {"command": " && ".join(commands), "commands": commands, "machine": machine(), "results": results}
     text = markdown(results, commands)
-    record(args.out, "latency", "Latency (in-process)", data, lambda path: plot(results, path), text, not args.no_record)
+    record(args.out, key, title, data, lambda path: draw(results, path), text, not args.no_record)
     return 0
 
 

@@ -117,3 +117,35 @@ def build(root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int =
         model.set_active_adapters(Fuse(*names))
     model.active_head = tasks[0]
     return BenchModel(root / "model.yaml", model, names)
+
+
+def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) -> Path:
+    """``out``: the fp32 artifact ``fp32`` quantized and gated by ``options`` exactly as ``export --precision int8``
+    does after its fp32 parity check (``export.quantize.int8_graph`` on the same validated graph), without building,
+    exporting and validating the fp32 graph again — the expensive part of an export on a shared 2-core machine."""
+    import json
+    import shutil
+
+    from fusionserve.export.build import build_model
+    from fusionserve.export.quantize import DEFAULT_OPTIONS, int8_graph
+    from fusionserve.export.spec import load_spec
+    from fusionserve.serving.artifact import load_artifact, write_manifest
+    from fusionserve.serving.runtime import make_session
+
+    if (out / "manifest.json").is_file():
+        return out
+    manifest = load_artifact(fp32).manifest
+    if manifest["precision"] != "fp32" or "pruning" in manifest:
+        raise ValueError(f"{fp32}: needs an unpruned fp32 artifact")
+    model = build_model(load_spec(spec).select(list(manifest["tasks"])))
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(fp32, work)
+    (work / "manifest.json").unlink()
+    session = make_session(work / "model.onnx", device="cpu")
+    _, record = int8_graph(work, session, model, manifest["max_seq_len"], options or DEFAULT_OPTIONS, progress=True)
+    manifest = json.loads(json.dumps(manifest))  # a copy
+    manifest["precision"], manifest["int8"] = "int8", record
+    write_manifest(work, manifest)
+    work.rename(out)
+    return out
