@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-rounds", type=int, default=10, help="rounds of 1-client HTTP vs gRPC runs per server (0: no gRPC)")
     p.add_argument("--grpc-seconds", type=float, default=3.0, help="seconds of each run in those rounds")
     p.add_argument("--render-only", action="store_true", help="redo table and plot from the recorded results/load.json")
+    p.add_argument(
+        "--soak-only", action="store_true", help="run only the soak (--soak seconds) and add it to the recorded results/load.json"
+    )
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
@@ -182,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
     texts = load_texts(args.texts)
     logs = Path(tempfile.mkdtemp(prefix="fusionserve-load-"))
+    if args.soak_only:  # a long run kept apart from the comparison (it may run while the machine does other work)
+        result = json.loads((args.out / "load.json").read_text())
+        result["soak"] = soak(args, task, texts, logs)
+        result["soak"]["command"] = "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:])
+        record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), True)
+        return 0
     result: dict = {
         "command": "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),

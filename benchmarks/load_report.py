@@ -96,6 +96,11 @@ def _soak(s: dict[str, Any]) -> list[str]:
     lines = [
         f"Soak: {s['seconds']:.0f} s at 16 clients on `{s['ingress']}`: {min(rps)}-{max(rps)} req/s per minute, errors + lost {errs}; "
         f"memory of every server process {start:.0f} MB at the start, {end:.0f} MB at the end ({(end - start) / start:+.1%}; target < +10%).",
+        *(
+            [f"Run apart, with `{s['command']}` (the machine busy with other work meanwhile: its rates are not comparable)."]
+            if "command" in s
+            else []
+        ),
         "",
         "| process | start (MB) | end (MB) |",
         "|---|---:|---:|",
