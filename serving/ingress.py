@@ -44,6 +44,11 @@ _THROUGHPUT = {
 }
 
 
+# Room for a busy machine: Serve's controller kills a proxy (Serve's, or the HAProxy manager) that is not ready
+# within 5 s, and serve.start then fails; seen in CI on a loaded 2-core machine when a second node joined.
+_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the kernel's choice)."""
     with socket.socket() as s:
@@ -59,7 +64,7 @@ def node_env(ingress: str) -> dict[str, str]:
     if ingress not in VARIANTS:
         raise FusionServeError(f"--ingress '{ingress}' is not known; allowed: {', '.join(INGRESSES)}")
     kind, throughput = VARIANTS[ingress]
-    env = dict(_THROUGHPUT) if throughput else {}
+    env = dict(_PATIENCE) | (dict(_THROUGHPUT) if throughput else {})
     if kind == "haproxy":
         env |= {
             "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -70,6 +75,7 @@ def node_env(ingress: str) -> dict[str, str]:
             # a client silent this long loses its connection (Serve's default, an hour, lets a client that never
             # finishes its body, answered 408 by the replica, hold an HAProxy connection that long)
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
+            "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": "120",  # Serve's 30 s, for HAProxy to come up on a busy node
         }
     return env
 
