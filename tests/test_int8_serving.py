@@ -2,12 +2,6 @@
 `OnnxRunner` does in-process, with nothing int8-specific in the server. One request path only: everything else about
 the server is precision-blind and covered by test_serving_e2e.py."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import numpy as np
 import pytest
 
@@ -15,7 +9,8 @@ from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.predictions import TextInput, softmax
 from fusionserve.serving.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
-from tests.test_serving_e2e import _call, _free_port
+from tests.serving_helpers import serving
+from tests.test_serving_e2e import _call
 
 pytestmark = pytest.mark.slow
 
@@ -24,31 +19,8 @@ pytestmark = pytest.mark.slow
 def served(built_st, tmp_path_factory):
     art = tmp_path_factory.mktemp("int8-serve") / "art"
     export_artifact(built_st.spec, art, "int8", max_seq_len=16, progress=False)
-    port, log = _free_port(), art.parent / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(art), "--port", str(port), "--threads", "1"]
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while proc.poll() is None and time.time() < deadline:
-            try:
-                if _call(url + "/readyz", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"server not ready (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
-        yield url, art
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with serving(art, art.parent / "server.log", "--threads", "1") as server:  # returns once the route answers
+        yield server.url, art
 
 
 def test_int8_artifact_served_over_http_answers_as_in_process(served):
