@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -110,6 +111,27 @@ class Built:
             return model(**batch).logits
 
 
+def save_spec(model: Any, root: Path, tasks: dict, safetensors: bool = True) -> None:
+    """Save adapters alpha/beta/gamma, every task's head (and fusion) with the adapters library's own functions, and
+    write root/model.yaml naming them. ``tasks``: name -> (kind, adapter names, fusion config, labels)."""
+    spec: dict = {"base_model": "base", "adapters": {}, "tasks": {}}
+    for sub in ("adapters", "heads", "fusions"):
+        (root / sub).mkdir()
+    for name in ("alpha", "beta", "gamma"):
+        model.save_adapter(str(root / "adapters" / name), name, use_safetensors=safetensors)
+        spec["adapters"][name] = f"adapters/{name}"
+    for task, (kind, names, _, _) in tasks.items():
+        model.save_head(str(root / "heads" / task), task, use_safetensors=safetensors)
+        entry: dict[str, str] = {"head": f"heads/{task}"}
+        if kind == "fusion":
+            model.save_adapter_fusion(str(root / "fusions" / task), ",".join(names), use_safetensors=safetensors)
+            entry["fusion"] = f"fusions/{task}"
+        elif kind == "adapter":
+            entry["adapter"] = names[0]
+        spec["tasks"][task] = entry
+    (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
 def write_base(folder: Path, seed: int = 0, **overrides: int) -> None:
     """A random tiny BERT saved as a HF model folder with a WordPiece tokenizer."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
@@ -147,22 +169,7 @@ def build(root: Path, safetensors: bool, seed: int = 0) -> Built:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3)
     model.eval()
 
-    spec = {"base_model": "base", "adapters": {}, "tasks": {}}
-    for sub in ("adapters", "heads", "fusions"):
-        (root / sub).mkdir()
-    for name in ("alpha", "beta", "gamma"):
-        model.save_adapter(str(root / "adapters" / name), name, use_safetensors=safetensors)
-        spec["adapters"][name] = f"adapters/{name}"
-    for task, (kind, names, _, _) in TASKS.items():
-        model.save_head(str(root / "heads" / task), task, use_safetensors=safetensors)
-        entry: dict[str, str] = {"head": f"heads/{task}"}
-        if kind == "fusion":
-            model.save_adapter_fusion(str(root / "fusions" / task), ",".join(names), use_safetensors=safetensors)
-            entry["fusion"] = f"fusions/{task}"
-        elif kind == "adapter":
-            entry["adapter"] = names[0]
-        spec["tasks"][task] = entry
-    (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    save_spec(model, root, TASKS, safetensors)
     return Built(root / "model.yaml", model, BertTokenizerFast.from_pretrained(str(root / "base")))
 
 

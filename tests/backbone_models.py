@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
-from tests.adapterhub_models import PAIRS, SENTENCES, VOCAB, WORDS
+from tests.adapterhub_models import PAIRS, SENTENCES, VOCAB, WORDS, save_spec
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "distilbert")
 ADAPTER_CONFIGS = ("seq_bn", "double_seq_bn")
@@ -162,22 +161,7 @@ def build_arch(root: Path, arch: str, adapter_config: str, seed: int = 0) -> Bui
             elif "adapter_fusion_layer" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
     model.eval()
-    spec: dict = {"base_model": "base", "adapters": {}, "tasks": {}}
-    for sub in ("adapters", "heads", "fusions"):
-        (root / sub).mkdir()
-    for name in ("alpha", "beta", "gamma"):
-        model.save_adapter(str(root / "adapters" / name), name, use_safetensors=True)
-        spec["adapters"][name] = f"adapters/{name}"
-    for task, (kind, names, _, _) in TASKS.items():
-        model.save_head(str(root / "heads" / task), task, use_safetensors=True)
-        entry: dict[str, str] = {"head": f"heads/{task}"}
-        if kind == "fusion":
-            model.save_adapter_fusion(str(root / "fusions" / task), ",".join(names), use_safetensors=True)
-            entry["fusion"] = f"fusions/{task}"
-        elif kind == "adapter":
-            entry["adapter"] = names[0]
-        spec["tasks"][task] = entry
-    (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    save_spec(model, root, TASKS)
     return BuiltArch(arch, adapter_config, root / "model.yaml", model, AutoTokenizer.from_pretrained(str(root / "base")))
 
 
