@@ -124,6 +124,34 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
     return env
 
 
+def routed_replicas(folder: Path, app: str) -> int | None:
+    """How many of ``app``'s replicas the HAProxy started from ``folder`` routes to right now (its servers UP in the
+    app's backend, the proxy fallback not counted), read from HAProxy's admin socket; None when there is no such
+    HAProxy (another ingress, or a joined cluster whose node started its own)."""
+    sockets = sorted(folder.glob("*/a.sock"))  # Serve puts each node's files in a folder named by the node id
+    if not sockets:
+        return None
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(sockets[0]))
+            s.sendall(b"show stat\n")
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+    except OSError:  # HAProxy is being reloaded: nothing to count this time
+        return 0
+    lines = b"".join(chunks).decode(errors="replace").splitlines()
+    if not lines:
+        return 0
+    header = lines[0].lstrip("# ").split(",")
+    rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:]]
+    return sum(
+        r.get("pxname") == f"http-{app}" and r.get("svname", "").startswith("SERVE_REPLICA") and r.get("status") == "UP"
+        for r in rows
+    )
+
+
 def reap(folder: Path) -> list[int]:
     """Stop every process still running from ``folder`` (HAProxy outlives Ray's shutdown: it is Serve's child, not
     Ray's). Reads /proc; elsewhere it finds nothing. Returns the pids it stopped."""

@@ -21,7 +21,7 @@ from fusionserve.errors import FusionServeError
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
-from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap
+from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap, routed_replicas
 from .runtime import resolve_device
 
 __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
@@ -115,6 +115,8 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     serve.run(app, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
     _wait_routed(url)
+    if _ingress_dir:
+        _wait_all_routed(Path(_ingress_dir), cfg.min_replicas or cfg.replicas, say)
     return url
 
 
@@ -166,6 +168,23 @@ def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
             last = str(exc)
         time.sleep(0.2)
     raise FusionServeError(f"the application was deployed but {probe} did not answer within {timeout_s:.0f} s ({last})")
+
+
+def _wait_all_routed(folder: Path, expected: int, say: Callable[[str], object], timeout_s: float = 120.0) -> None:
+    """Wait until HAProxy routes to ``expected`` replicas: Serve reports the deployment running before HAProxy has
+    reloaded with every replica and health-checked it (seen: the second of two joined 0.5-2 s after the first, longer
+    on a busy machine), and until then every request goes to the first. After ``timeout_s`` it says so and goes on:
+    the others join as they become healthy."""
+    deadline = time.monotonic() + timeout_s
+    routed = routed_replicas(folder, APP_NAME)
+    while routed is not None and routed < expected:
+        if time.monotonic() > deadline:
+            say(
+                f"only {routed} of {expected} replicas are routed after {timeout_s:.0f} s; the others join as they become healthy"
+            )
+            return
+        time.sleep(0.2)
+        routed = routed_replicas(folder, APP_NAME)
 
 
 def stop() -> None:

@@ -86,7 +86,7 @@ def launch(artifact: Path, log: Path, *args: str) -> Served:
         if time.time() > deadline:
             proc.kill()
             pytest.fail(f"server not serving in 240 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+        time.sleep(0.1)
     return Served(f"http://127.0.0.1:{port}", port, proc, log)
 
 
