@@ -4,7 +4,6 @@ spoken to over HTTP. One server for the module (Ray takes seconds to start); sto
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,29 +20,13 @@ from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.predictions import TextInput, softmax
 from fusionserve.serving.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.serving_helpers import call, free_port
 
 pytestmark = pytest.mark.slow
 
 MAX_SEQ_LEN = 32
 MAX_INPUTS = 8
 MAX_BODY = 4096
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        text = err.read()
-        return err.code, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +38,7 @@ def artifact(built_st, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(artifact, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(port),
@@ -69,7 +52,7 @@ def server(artifact, tmp_path_factory):
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if _call(url + "/readyz", timeout=5)[0] == 200:
+            if call(url + "/readyz", timeout=5)[0] == 200:
                 break
         except OSError:
             pass
@@ -95,7 +78,7 @@ def test_classify_texts_and_pairs_for_two_tasks(server, local):
     url = server[0]
     for task in ("rte", "alpha_only"):
         inputs = [SENTENCES[0], {"text": PAIRS[0][0], "text_pair": PAIRS[0][1]}, SENTENCES[2]]
-        status, body = _call(url + "/v1/classify", {"task": task, "inputs": inputs})
+        status, body = call(url + "/v1/classify", {"task": task, "inputs": inputs})
         assert status == 200, body
         assert body["task"] == task and len(body["predictions"]) == 3
         want, _ = local.logits(task, [TextInput(SENTENCES[0]), TextInput(*PAIRS[0]), TextInput(SENTENCES[2])])
@@ -109,7 +92,7 @@ def test_classify_texts_and_pairs_for_two_tasks(server, local):
 
 
 def test_fusion_activations_on_request(server, local):
-    status, body = _call(server[0] + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[1]], "return_fusion_activations": True})
+    status, body = call(server[0] + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[1]], "return_fusion_activations": True})
     assert status == 200, body
     acts = body["fusion_activations"]
     assert acts["adapters"] == ["alpha", "beta", "gamma"]
@@ -128,7 +111,7 @@ def test_every_input_count_up_to_the_limit_is_answered_as_each_text_alone(server
     alone = np.concatenate([local.logits("custom", [TextInput(t)])[0] for t in texts])
     labels = local.labels["custom"]
     for n in range(1, MAX_INPUTS + 1):
-        status, body = _call(server[0] + "/v1/classify", {"task": "custom", "inputs": texts[:n]})
+        status, body = call(server[0] + "/v1/classify", {"task": "custom", "inputs": texts[:n]})
         assert status == 200, (n, body)
         got = np.array([[p["scores"][lab] for lab in labels] for p in body["predictions"]])
         np.testing.assert_allclose(got, softmax(alone[:n].astype(np.float64)), atol=1e-5, err_msg=f"{n} inputs")
@@ -149,33 +132,33 @@ BAD = [
 
 @pytest.mark.parametrize(("what", "body", "status", "message"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_its_status_and_message(server, what, body, status, message):
-    got, answer = _call(server[0] + "/v1/classify", body)
+    got, answer = call(server[0] + "/v1/classify", body)
     assert got == status, answer
     assert message in answer["error"]["message"], answer
 
 
 def test_malformed_json_and_oversized_body(server):
     url = server[0] + "/v1/classify"
-    status, body = _call(url, raw=b'{"task": "rte", "inputs": [')
+    status, body = call(url, raw=b'{"task": "rte", "inputs": [')
     assert status == 422 and body["error"]["type"] == "malformed_json"
-    status, body = _call(url, raw=json.dumps({"task": "rte", "inputs": ["x" * MAX_BODY]}).encode())
+    status, body = call(url, raw=json.dumps({"task": "rte", "inputs": ["x" * MAX_BODY]}).encode())
     assert status == 413 and f"the limit is {MAX_BODY}" in body["error"]["message"]
 
 
 def test_long_text_is_truncated_and_flagged(server):
-    status, body = _call(server[0] + "/v1/classify", {"task": "head_only", "inputs": ["movie " * 60, "short"]})
+    status, body = call(server[0] + "/v1/classify", {"task": "head_only", "inputs": ["movie " * 60, "short"]})
     assert status == 200
     assert [p["truncated"] for p in body["predictions"]] == [True, False]
 
 
 def test_tasks_health_and_docs(server):
     url = server[0]
-    status, tasks = _call(url + "/v1/tasks")
+    status, tasks = call(url + "/v1/tasks")
     assert status == 200 and tasks["tasks"]["rte"]["labels"] == ["entailment", "neutral", "contradiction"]
     assert tasks["max_seq_len"] == MAX_SEQ_LEN
-    assert _call(url + "/healthz") == (200, {"status": "ok"})
-    assert _call(url + "/readyz") == (200, {"status": "ready"})
-    status, spec = _call(url + "/openapi.json")
+    assert call(url + "/healthz") == (200, {"status": "ok"})
+    assert call(url + "/readyz") == (200, {"status": "ready"})
+    status, spec = call(url + "/openapi.json")
     assert status == 200
     schema = spec["paths"]["/v1/classify"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "inputs" in schema["properties"] and "return_fusion_activations" in schema["properties"]
@@ -184,19 +167,19 @@ def test_tasks_health_and_docs(server):
 def test_one_request_for_several_tasks_answers_each_as_alone(server, local):
     texts = [SENTENCES[0], {"text": PAIRS[1][0], "text_pair": PAIRS[1][1]}]
     tasks = ["rte", "alpha_only", "head_only"]
-    status, body = _call(server[0] + "/v1/classify", {"tasks": tasks, "inputs": texts, "return_fusion_activations": False})
+    status, body = call(server[0] + "/v1/classify", {"tasks": tasks, "inputs": texts, "return_fusion_activations": False})
     assert status == 200, body
     assert [r["task"] for r in body["results"]] == tasks
     for result in body["results"]:
-        alone = _call(server[0] + "/v1/classify", {"task": result["task"], "inputs": texts})[1]
+        alone = call(server[0] + "/v1/classify", {"task": result["task"], "inputs": texts})[1]
         for got, want in zip(result["predictions"], alone["predictions"], strict=True):
             assert got["label"] == want["label"]
             np.testing.assert_allclose(list(got["scores"].values()), list(want["scores"].values()), atol=1e-5)
     bad = {"tasks": ["rte", "nope", "gone"], "inputs": ["a"]}
-    assert _call(server[0] + "/v1/classify", bad)[1]["error"]["message"].startswith("unknown tasks 'nope', 'gone'")
-    both = _call(server[0] + "/v1/classify", {"task": "rte", "tasks": ["nli"], "inputs": ["a"]})
+    assert call(server[0] + "/v1/classify", bad)[1]["error"]["message"].startswith("unknown tasks 'nope', 'gone'")
+    both = call(server[0] + "/v1/classify", {"task": "rte", "tasks": ["nli"], "inputs": ["a"]})
     assert both[0] == 422 and "exactly one of 'task'" in both[1]["error"]["message"]
-    many = _call(server[0] + "/v1/classify", {"tasks": ["rte", "nli"], "inputs": ["a"] * 5})
+    many = call(server[0] + "/v1/classify", {"tasks": ["rte", "nli"], "inputs": ["a"] * 5})
     assert many[0] == 413 and "5 inputs x 2 tasks = 10" in many[1]["error"]["message"]
 
 
@@ -205,7 +188,7 @@ def test_concurrent_requests_over_several_tasks_each_get_their_solo_answer(serve
         (task, SENTENCES[i % len(SENTENCES)]) for i, task in enumerate(["rte", "nli", "custom", "alpha_only", "head_only"] * 6)
     ]
     with ThreadPoolExecutor(6) as pool:  # within what the server holds (--max-ongoing 4 + --max-queued 4)
-        answers = list(pool.map(lambda tw: _call(server[0] + "/v1/classify", {"task": tw[0], "inputs": [tw[1]]}), work))
+        answers = list(pool.map(lambda tw: call(server[0] + "/v1/classify", {"task": tw[0], "inputs": [tw[1]]}), work))
     served = 0
     for (task, text), (status, body) in zip(work, answers, strict=True):
         assert status in (200, 503), body
@@ -219,7 +202,7 @@ def test_concurrent_requests_over_several_tasks_each_get_their_solo_answer(serve
 def test_concurrent_requests_are_batched_and_metrics_parse(server):
     url = server[0]
     with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda s: _call(url + "/v1/classify", {"task": "nli", "inputs": [s]}), SENTENCES * 3))
+        answers = list(pool.map(lambda s: call(url + "/v1/classify", {"task": "nli", "inputs": [s]}), SENTENCES * 3))
     assert all(status in (200, 503) for status, _ in answers)
     assert sum(status == 200 for status, _ in answers) >= 4
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
@@ -242,14 +225,14 @@ def test_overload_is_answered_503_quickly_and_the_server_keeps_serving(server):
     body = {"task": "custom", "inputs": SENTENCES[:4]}
     with ThreadPoolExecutor(40) as pool:
         started = time.time()
-        answers = list(pool.map(lambda _: (_call(url + "/v1/classify", body), time.time() - started), range(40)))
+        answers = list(pool.map(lambda _: (call(url + "/v1/classify", body), time.time() - started), range(40)))
     statuses = [a[0][0] for a in answers]
     assert set(statuses) <= {200, 503}, statuses
     assert 503 in statuses and 200 in statuses
     refused = [a[0][1] for a in answers if a[0][0] == 503]
     # Serve's proxy refuses past max_ongoing + max_queued, before any replica code runs
     assert all("queue" in json.dumps(body).lower() or "backpressure" in json.dumps(body).lower() for body in refused), refused[:2]
-    assert _call(url + "/v1/classify", {"task": "rte", "inputs": ["still here"]})[0] == 200
+    assert call(url + "/v1/classify", {"task": "rte", "inputs": ["still here"]})[0] == 200
 
 
 def test_sigint_shuts_down_cleanly(server):
@@ -258,4 +241,4 @@ def test_sigint_shuts_down_cleanly(server):
     assert proc.wait(60) == 0, log.read_text()[-2000:]
     assert "shutting down" in log.read_text()
     with pytest.raises(OSError):
-        _call(url + "/healthz", timeout=3)
+        call(url + "/healthz", timeout=3)
