@@ -18,47 +18,39 @@ def add_serve(sub: Any) -> None:
         nargs="?",
         help="artifact folder written by `fusionserve export`; default: the built-in model, exported on first use",
     )
-    sv.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1; see the README's security notes)")
-    sv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    sv.add_argument("--replicas", type=int, default=1, help="model replicas, each with its own ONNX Runtime session (default 1)")
+    sv.add_argument("--host", help="HTTP bind address (default 127.0.0.1; see the README's security notes)")
+    sv.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    sv.add_argument("--replicas", type=int, help="model replicas, each with its own ONNX Runtime session (default 1)")
     sv.add_argument("--threads", type=int, help="ONNX Runtime threads per replica (default: CPUs / replicas)")
-    sv.add_argument("--max-batch-size", type=int, default=32, help="most texts in one model call (default 32)")
+    sv.add_argument("--max-batch-size", type=int, help="most texts in one model call (default 32)")
     sv.add_argument(
         "--max-batch-tokens",
         type=int,
-        default=16384,
         help="most padded tokens (texts x longest) in one model call (default 16384)",
     )
     sv.add_argument(
         "--batch-wait-ms",
         type=float,
-        default=0.0,
         help="how long a batch may wait to fill once the model is free (default 0: none)",
     )
-    sv.add_argument(
-        "--max-queued", type=int, default=64, help="requests a replica lets wait for the model; past it 503 at once (default 64)"
-    )
+    sv.add_argument("--max-queued", type=int, help="requests a replica lets wait for the model; past it 503 at once (default 64)")
     sv.add_argument(
         "--max-ongoing",
         type=int,
         help="requests Serve hands a replica at once (default 1024: the replica's own queue refuses first)",
     )
-    sv.add_argument("--max-inputs", type=int, default=64, help="most inputs in one request, else 413 (default 64)")
-    sv.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body, else 413 (default 1000000)")
-    sv.add_argument(
-        "--body-timeout-s", type=float, default=10.0, help="a request body not complete by then is answered 408 (default 10)"
-    )
+    sv.add_argument("--max-inputs", type=int, help="most inputs in one request, else 413 (default 64)")
+    sv.add_argument("--max-body-bytes", type=int, help="largest request body, else 413 (default 1000000)")
+    sv.add_argument("--body-timeout-s", type=float, help="a request body not complete by then is answered 408 (default 10)")
     sv.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
-        default="auto",
         help="where replicas run: cuda needs onnxruntime-gpu (pip install 'fusionserve[gpu]') and a GPU Ray sees; "
         "auto takes it when both are there (default auto)",
     )
     sv.add_argument(
         "--ingress",
         choices=list(INGRESSES),
-        default=INGRESSES[0],
         help="haproxy: HAProxy hands connections straight to the replicas' own HTTP ports; proxy: Serve's proxy actor "
         f"forwards each request over Ray (default {INGRESSES[0]}; see the README for the measured difference)",
     )
@@ -76,16 +68,10 @@ def _add_scaling(sv: Any) -> None:
     scale = sv.add_argument_group("autoscaling (Serve's autoscaling_config; both --min- and --max-replicas turn it on)")
     scale.add_argument("--min-replicas", type=int, help="fewest replicas (>= 1)")
     scale.add_argument("--max-replicas", type=int, help="most replicas")
-    scale.add_argument(
-        "--target-ongoing-requests", type=float, default=2.0, help="ongoing requests per replica Serve scales to (default 2)"
-    )
-    scale.add_argument("--upscale-delay-s", type=float, default=30.0, help="load held this long adds replicas (default 30)")
-    scale.add_argument(
-        "--downscale-delay-s", type=float, default=600.0, help="low load held this long removes replicas (default 600)"
-    )
-    scale.add_argument(
-        "--look-back-period-s", type=float, default=30.0, help="window the ongoing requests are averaged over (default 30)"
-    )
+    scale.add_argument("--target-ongoing-requests", type=float, help="ongoing requests per replica Serve scales to (default 2)")
+    scale.add_argument("--upscale-delay-s", type=float, help="load held this long adds replicas (default 30)")
+    scale.add_argument("--downscale-delay-s", type=float, help="low load held this long removes replicas (default 600)")
+    scale.add_argument("--look-back-period-s", type=float, help="window the ongoing requests are averaged over (default 30)")
     cluster = sv.add_argument_group("clusters and stock Ray tools (see the README's Scaling out)")
     cluster.add_argument(
         "--ship-artifact",
@@ -110,7 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s",
         "look_back_period_s", "ship_artifact",
     )  # fmt: skip
-    cfg = ServerConfig(artifact, **{n: getattr(args, n) for n in names})
+    # an option not given is left out: its default is the application's (AppArgs), written in one place
+    cfg = ServerConfig(artifact, **{n: getattr(args, n) for n in names if getattr(args, n) is not None})
     if args.print_config:
         from fusionserve.serving.serve_config import render
 

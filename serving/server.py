@@ -30,51 +30,45 @@ _metrics_dir: str | None = None  # where this server's replicas pool their Prome
 _ingress_dir: str | None = None  # HAProxy's config, socket and state files
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ServerConfig:
-    """Everything ``fusionserve serve`` takes; validated here, once. The application's part goes to the builder
-    (``app_args``); host, ports, ingress and how the artifact reaches the nodes are this process's to set up."""
+    """Everything ``fusionserve serve`` takes, validated here, once: ``ServerConfig(artifact, port=8001,
+    max_batch_size=16, ...)``. Host, ports, ingress and how the artifact reaches the nodes are this process's to set
+    up (the fields below); every other option is the application's and goes to the builder as ``app`` (its names and
+    defaults are ``AppArgs``'s, the one place they are written). Raises FusionServeError for an option out of range
+    or unknown, named as the command's flag (``--max-batch-size``)."""
 
     artifact: Path
+    app: AppArgs
     host: str = "127.0.0.1"
     port: int = 8000
-    replicas: int = 1
-    max_batch_size: int = 32
-    batch_wait_ms: float = 0.0
-    max_queued: int = 64
-    max_ongoing: int | None = None
-    max_inputs: int = 64
-    max_body_bytes: int = 1_000_000
-    threads: int | None = None  # per replica; default: this machine's CPUs / (max) replicas
-    device: str = "auto"  # auto | cpu | cuda: see serving/runtime.py
-    max_batch_tokens: int = 16384
     ingress: str = INGRESSES[0]  # see serving/ingress.py
-    body_timeout_s: float = 10.0
     replace: bool = False  # on a cluster that already runs fusionserve: replace it instead of refusing
     grpc_port: int | None = None  # Serve's gRPC ingress on this port (see serving/grpc_ingress.py)
-    min_replicas: int | None = None  # with max_replicas: Serve's autoscaling instead of a fixed count
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 2.0
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    look_back_period_s: float = 30.0
     ship_artifact: bool = False  # hand the artifact to Ray (runtime env working_dir), which copies it to every node
 
-    def __post_init__(self) -> None:
+    def __init__(self, artifact: Path | str, **options: Any) -> None:
+        own = {f.name for f in fields(self)} - {"artifact", "app"}
+        unknown = sorted(set(options) - own - set(AppArgs.model_fields) - {"artifact"})
+        if unknown:
+            raise FusionServeError(f"unknown server option(s): {', '.join(unknown)}")
+        for name in own:
+            object.__setattr__(self, name, options.pop(name, getattr(type(self), name)))
+        object.__setattr__(self, "artifact", Path(artifact))
         for name, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise FusionServeError(f"{name} = {port} is out of range; allowed: 0..65535")
         if self.grpc_port is not None and self.grpc_port == self.port:
             raise FusionServeError(f"--grpc-port = {self.grpc_port} is the HTTP --port too; give gRPC its own port")
-        check_ranges({f.name: getattr(self, f.name) for f in fields(self)}, flags=True)
         if self.ingress not in VARIANTS:
             raise FusionServeError(f"--ingress = '{self.ingress}' is not known; allowed: {', '.join(INGRESSES)}")
+        check_ranges(options, flags=True)  # before AppArgs checks them again, to name them as the command's flags
+        object.__setattr__(self, "app", AppArgs(artifact=str(self.artifact.resolve()), **options))
 
     def app_args(self, **extra: Any) -> AppArgs:
         """The builder's arguments for this configuration; ``extra`` adds or overrides some (the artifact as the
         replicas see it, the metrics folder)."""
-        values = {n: getattr(self, n) for n in AppArgs.model_fields if n != "artifact" and hasattr(self, n)}
-        return AppArgs(**({"artifact": str(self.artifact.resolve())} | values | extra))
+        return AppArgs(**(self.app.model_dump() | extra))
 
 
 def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> str:
@@ -87,7 +81,7 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
     # a missing artifact or CUDA provider, or a taken port, fails before Ray starts; how many GPUs there are, Ray tells
     artifact = load_artifact(cfg.artifact, verify=False)
-    resolve_device(cfg.device)
+    resolve_device(cfg.app.device)
     for port in (cfg.port, cfg.grpc_port):
         holder = None if port is None else port_holder(cfg.host, port)
         if holder is not None:
@@ -108,15 +102,16 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     _refuse_loopback_on_many_machines(ray, cfg.host)
     _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
     shipped = {"artifact": ".", "artifact_sha256": sha256(artifact.folder / MANIFEST)} if cfg.ship_artifact else {}
-    app = app_builder(cfg.app_args(metrics_dir=_metrics_dir, **shipped))
-    what = f"{cfg.min_replicas}-{cfg.max_replicas} (autoscaling)" if cfg.max_replicas else str(cfg.replicas)
+    application = app_builder(cfg.app_args(metrics_dir=_metrics_dir, **shipped))
+    opts = cfg.app
+    what = f"{opts.min_replicas}-{opts.max_replicas} (autoscaling)" if opts.max_replicas else str(opts.replicas)
     say(f"deploying {what} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, grpc_options=grpc_options(cfg.grpc_port))
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    serve.run(application, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
     _wait_routed(url)
     if _ingress_dir:
-        _wait_all_routed(Path(_ingress_dir), cfg.min_replicas or cfg.replicas, say)
+        _wait_all_routed(Path(_ingress_dir), opts.min_replicas or opts.replicas, say)
     return url
 
 

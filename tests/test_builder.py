@@ -76,6 +76,29 @@ def test_server_options_are_named_as_flags(artifact):
         ServerConfig(artifact, grpc_port=8000)
 
 
+def test_serve_help_states_the_defaults_the_server_uses(artifact):
+    """`fusionserve serve` leaves an option not given to ServerConfig / AppArgs, where its default is written once;
+    the "(default X)" of every option's help must say that same value."""
+    import re
+
+    from fusionserve.cli.main import build_parser
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" serve"))
+    cfg, checked = ServerConfig(artifact), 0
+    for action in serve._actions:
+        stated = re.search(r"\(default ([^:;)]+)", action.help or "")
+        name = action.dest
+        if not stated or not action.option_strings:
+            continue
+        actual = getattr(cfg, name) if hasattr(cfg, name) else getattr(cfg.app, name)
+        if actual is None:  # derived at run time (CPUs / replicas, 1024): said in words
+            continue
+        assert action.default is None, f"--{name} has a default of its own in the CLI"
+        assert stated.group(1) in {str(actual), f"{actual:g}" if isinstance(actual, float) else str(actual)}, name
+        checked += 1
+    assert checked >= 15
+
+
 def test_print_config_is_a_serve_config_whose_args_the_builder_takes(artifact):
     out = io.StringIO()
     with redirect_stdout(out):
