@@ -11,7 +11,16 @@ import pytest
 
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.build import build_model
-from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8GateError, Int8Options
+from fusionserve.export.onnx_export import ExportError
+from fusionserve.export.quantize import (
+    DEFAULT_OPTIONS,
+    ROLES,
+    Int8Gate,
+    Int8GateError,
+    Int8Options,
+    backbone_roles,
+    quantizable,
+)
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, TOLERANCES
 from fusionserve.serving.artifact import load_artifact
@@ -22,9 +31,10 @@ from tests.export_helpers import _cli
 from tests.runtime_helpers import MAX_SEQ_LEN, _batches
 
 LAYERS = 3
-# per layer: the attention output and both feed-forward GEMMs, and the adapters' stacked down-projection; the fusion
-# matrices of this 7-task graph are picked by the task index at run time and stay fp32
-QUANTIZED_MATMULS = 4 * LAYERS
+# per layer: the attention output, the feed-forward's first GEMM and the adapters' stacked down-projection; the FFN's
+# output GEMM stays fp32 by default (DEFAULT_OPTIONS.fp32_roles), and the fusion matrices of this 7-task graph are
+# picked by the task index at run time and stay fp32
+QUANTIZED_MATMULS = 3 * LAYERS
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +61,7 @@ def test_int8_export_passes_its_gate_and_records_it(int8):
     assert kept["embeddings"] == 1 and kept["LayerNorm"] == 3 * LAYERS and kept["Softmax"] == LAYERS
     assert kept["heads"] == 2 * len(TASKS)  # two linears each
     assert kept["MatMul without stored weights"] == 4 * LAYERS  # per layer: the task's fusion matrices (3), placement
+    assert kept["backbone GEMMs"] == LAYERS and q["fp32_roles"] == ["ffn_out"]  # the FFN's output GEMM of each layer
     assert manifest["int8"]["model_bytes"]["int8"] < manifest["int8"]["model_bytes"]["fp32"]
 
 
@@ -67,13 +78,46 @@ def test_int8_graph_quantizes_the_gemms_and_keeps_the_rest_in_fp32(built_st, int
     model = build_model(load_spec(built_st.spec))
     layers = model.backbone.model.encoder.layer
     gemms = sum(m.weight.numel() for layer in layers for m in (layer.attention.self.query, layer.attention.self.key,
-                layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense, layer.output.dense))  # fmt: skip
+                layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense))  # fmt: skip
     down = sum(block.down_w.numel() for block in model.blocks if hasattr(block, "down_w"))  # adapter sites only
-    assert by_type[onnx.TensorProto.INT8] == gemms + down  # exactly the backbone's GEMMs and the down-projections
+    assert by_type[onnx.TensorProto.INT8] == gemms + down  # exactly the backbone's GEMMs but the FFN output, and down
+    ffn_out = sum(layer.output.dense.weight.numel() for layer in layers)
     embeddings = model.backbone.model.embeddings.word_embeddings.weight.numel()
-    assert by_type[onnx.TensorProto.FLOAT] > embeddings  # the embeddings (and the rest) stay float
+    assert by_type[onnx.TensorProto.FLOAT] > embeddings + ffn_out  # those stay float (with the rest)
     assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.INT64] * 4
     assert [o.type.tensor_type.elem_type for o in graph.output] == [onnx.TensorProto.FLOAT] * 2
+
+
+def test_backbone_roles_and_what_the_options_leave_in_fp32(built_st, artifacts):
+    graph = onnx.load(str(artifacts.fp32 / "model.onnx"), load_external_data=False)
+    roles = backbone_roles(graph)
+    assert sorted(roles.values()) == sorted((layer, role) for layer in range(LAYERS) for role in ROLES)
+    # checked against the weights' shapes: (hidden, 3 hidden) QKV, (hidden, hidden), (hidden, ffn), (ffn, hidden)
+    hidden, ffn = 32, 37
+    shapes = {t.name: tuple(t.dims) for t in graph.graph.initializer}
+    want = {
+        "attention_qkv": (hidden, 3 * hidden),
+        "attention_out": (hidden, hidden),
+        "ffn_in": (hidden, ffn),
+        "ffn_out": (ffn, hidden),
+    }
+    nodes = {n.name: n for n in graph.graph.node}
+    assert all(shapes[nodes[name].input[1]] == want[role] for name, (_, role) in roles.items())
+
+    everything = set(quantizable(graph, Int8Options(fp32_roles=())))
+    assert set(roles) < everything  # the adapter path's down-projections too
+    by_role = {name for name, (_, role) in roles.items() if role in ("ffn_out", "attention_qkv")}
+    assert everything - set(quantizable(graph, Int8Options(fp32_roles=("ffn_out", "attention_qkv")))) == by_role
+    by_layer = {name for name, (layer, _) in roles.items() if layer in (0, LAYERS - 1)}
+    assert everything - set(quantizable(graph, Int8Options(fp32_roles=(), fp32_layers=(0, -1)))) == by_layer
+    assert set(quantizable(graph)) == everything - {n for n, (_, role) in roles.items() if role == "ffn_out"}
+    with pytest.raises(
+        ValueError,
+        match="fp32_roles: unknown entry 'ffn'; allowed: attention_qkv, attention_out, ffn_in, ffn_out, each optionally",
+    ):
+        Int8Options(fp32_roles=("ffn",))
+    with pytest.raises(ExportError, match=r"fp32_layers: no layer 3 in a graph of 3 layers \(0..2, or -1 the last\)"):
+        quantizable(graph, Int8Options(fp32_layers=(0, 3)))
 
 
 def test_int8_labels_agree_with_fp32_on_the_test_inputs(artifacts, int8):
@@ -122,7 +166,7 @@ def test_cli_export_int8_inspect_and_prune(built_st, stats, tmp_path, capsys):
     assert code == 0 and "int8, opset 17" in out and "of the fp32 graph before quantization" in out
     assert f"label agreement {gate['label_agreement']:.2%} (min 85%)" in out
     assert f"max probability change {gate['max_probability_change']:.3f} (max 0.3)" in out
-    assert "quantized MatMul 12/24, Attention 3/3" in out
+    assert "quantized MatMul 9/24, Attention 3/3" in out
 
     pruned = tmp_path / "pruned"
     argv = ["prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--tasks", "rte", "--out", pruned]
