@@ -10,9 +10,13 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``plain (PyTorch eager)``: the same backbone + head in PyTorch eager, to show what the runtime itself gives
 - ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
-- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (weights one scale per output column)
-- ``fusion N=8 int8 per-tensor (ORT)``: the same with one scale per weight tensor (measured, not shipped; its gate is
-  switched off here: benchmarks/int8.py measures what it does to labels)
+- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (weights one scale per output column,
+  the FFN output GEMMs left in fp32)
+- ``fusion N=8 int8 every GEMM (ORT)``: the same with the FFN output GEMMs quantized too (the default before; what
+  leaving them in fp32 costs in time)
+- ``fusion N=8 int8 per-tensor (ORT)``: the shipped options with one scale per weight tensor
+- the last two are measured, not shipped; their gate is switched off here: benchmarks/int8.py measures what they do
+  to labels
 - ``fusionserve eager N``: the same folded model in PyTorch eager
 - ``AdapterHub eager N``: AdapterHub's own model (BertAdapterModel, RobertaAdapterModel) with Fuse active, PyTorch eager
 
@@ -22,9 +26,10 @@ those shapes: hidden 768, 12 layers; RoBERTa with its 50,265-token vocabulary an
 ``--ort-only`` times the ONNX Runtime variants alone (plain, fusion N, 4 tasks): on a busy shared machine the eager
 variants make a round of a base-sized geometry at batch 16 take minutes, and a few rounds cannot average the noise.
 
-Both int8 graphs are the fp32 N=8 artifact's validated graph quantized and gated as ``export --precision int8`` does
-(``models.int8_copy``). ``--int8`` times only plain (ORT), fusion N=8 (ORT), the two int8 graphs and AdapterHub eager
-N=8, and records them in their own section (results/latency_int8.*), leaving the full table as it was.
+The int8 graphs are the fp32 N=8 artifact's validated graph quantized and gated as ``export --precision int8`` does
+(``models.int8_copy``, which makes one again when its options changed). ``--int8`` times only plain (ORT), fusion
+N=8 (ORT), the three int8 graphs and AdapterHub eager N=8, and records them in their own section
+(results/latency_int8.*), leaving the full table as it was.
 
 Writes benchmarks/results/latency.json, benchmarks/results/latency.png and the table in benchmarks/RESULTS.md.
 """
@@ -65,12 +70,15 @@ def _artifact(model: BenchModel, out: Path) -> Path:
 
 
 def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path]:
-    """The shipped int8 (per-channel, default gate) and the per-tensor one (gate off: only timed here)."""
+    """The shipped int8 (per-channel, the FFN output GEMMs fp32, default gate), the same with every GEMM quantized (the
+    default before: what keeping the FFN output GEMMs in fp32 costs) and per-tensor (gate off: only timed here)."""
     from fusionserve.export.quantize import Int8Gate, Int8Options
 
     per_tensor = Int8Options(per_channel=False, gate=Int8Gate(0.0, 1.0))
+    every_gemm = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0))
     return {
         "n8-int8": int8_copy(fp32, work / "n8-int8-art", model.spec),
+        "n8-int8-all": int8_copy(fp32, work / "n8-int8-all-art", model.spec, every_gemm),
         "n8-int8-pt": int8_copy(fp32, work / "n8-int8-pt-art", model.spec, per_tensor),
     }
 
@@ -169,6 +177,7 @@ def run_geometry(
         if not only_int8:
             variants["fusion N=8, 4 tasks (ORT)"] = _ort(arts["n8-4tasks"], feeds3)
         variants["fusion N=8 int8 (ORT)"] = _ort(arts["n8-int8"], feeds)
+        variants["fusion N=8 int8 every GEMM (ORT)"] = _ort(arts["n8-int8-all"], feeds)
         variants["fusion N=8 int8 per-tensor (ORT)"] = _ort(arts["n8-int8-pt"], feeds)
         # one forward of BERT-base at batch 16 takes seconds here: fewer rounds for bigger work
         work_units = batch * seq * (4 if name in BASE_SIZED else 1)
@@ -188,6 +197,7 @@ def ratios(res: dict) -> dict[str, dict[str, float]]:
         pairs["4-task graph / 1-task graph (N=8)"] = ("fusion N=8, 4 tasks (ORT)", "fusion N=8 (ORT)")
         pairs["plain PyTorch eager / plain ORT"] = ("plain (PyTorch eager)", "plain (ORT)")
         pairs["fusion N=8 fp32 / int8"] = ("fusion N=8 (ORT)", "fusion N=8 int8 (ORT)")
+        pairs["fusion N=8 fp32 / int8 every GEMM"] = ("fusion N=8 (ORT)", "fusion N=8 int8 every GEMM (ORT)")
         pairs["fusion N=8 fp32 / int8 per-tensor"] = ("fusion N=8 (ORT)", "fusion N=8 int8 per-tensor (ORT)")
         pairs["AdapterHub eager N=8 / fusion N=8 int8"] = ("AdapterHub eager N=8", "fusion N=8 int8 (ORT)")
         out[batch] = {k: row[a]["median_ms"] / row[b]["median_ms"] for k, (a, b) in pairs.items() if a in row and b in row}

@@ -125,6 +125,7 @@ def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) 
     exporting and validating the fp32 graph again — the expensive part of an export on a shared 2-core machine."""
     import json
     import shutil
+    from dataclasses import asdict
 
     from fusionserve.export.build import build_model
     from fusionserve.export.quantize import DEFAULT_OPTIONS, int8_graph
@@ -132,8 +133,12 @@ def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) 
     from fusionserve.serving.artifact import load_artifact, write_manifest
     from fusionserve.serving.runtime import make_session
 
+    options = options or DEFAULT_OPTIONS
     if (out / "manifest.json").is_file():
-        return out
+        made = json.loads((out / "manifest.json").read_text()).get("int8", {}).get("quantization", {})
+        if made.get("options") == json.loads(json.dumps(asdict(options))):  # type: ignore[call-overload]
+            return out
+        shutil.rmtree(out)  # made with other options (or before they were recorded): make it again
     manifest = load_artifact(fp32).manifest
     if manifest["precision"] != "fp32" or "pruning" in manifest:
         raise ValueError(f"{fp32}: needs an unpruned fp32 artifact")
@@ -143,7 +148,7 @@ def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) 
     shutil.copytree(fp32, work)
     (work / "manifest.json").unlink()
     session = make_session(work / "model.onnx", device="cpu")
-    _, record = int8_graph(work, session, model, manifest["max_seq_len"], options or DEFAULT_OPTIONS, progress=True)
+    _, record = int8_graph(work, session, model, manifest["max_seq_len"], options, progress=True)  # type: ignore[arg-type]
     manifest = json.loads(json.dumps(manifest))  # a copy
     manifest["precision"], manifest["int8"] = "int8", record
     write_manifest(work, manifest)

@@ -22,6 +22,7 @@ breaks its threshold is collected, then one error lists them all and no artifact
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from collections import Counter
@@ -52,8 +53,11 @@ KEPT_FP32 = {  # what stays floating point -> (what the manifest calls it, why)
         "0/1 matrix placing fusion weights in their output columns): only stored weights are quantized",
     ),
     "adapter MatMul": ("adapter path", "left in fp32 as asked (adapter_path=False)"),
-    "backbone MatMul": ("backbone GEMMs", "left in fp32 as asked (fp32_roles / fp32_layers)"),
-    "Attention": ("backbone attention (QKV)", "left in fp32 as asked (fp32_roles / fp32_layers)"),
+    "backbone MatMul": (
+        "backbone GEMMs",
+        "left in fp32 (by default the FFN output GEMM, whose input has outliers: DEFAULT_FP32_ROLES)",
+    ),
+    "Attention": ("backbone attention (QKV)", "left in fp32"),
 }
 # the backbone's quantizable nodes by role, in the order a layer runs them: the fused Attention (its Q/K/V
 # projection), the attention output projection, the FFN's first GEMM, the FFN's second (output) GEMM
@@ -78,9 +82,10 @@ class Int8Gate:
     """Thresholds an int8 graph must meet against its fp32 graph over the validation grid (every task, every row).
 
     The grid's inputs are random token ids, which a trained model often finds ambiguous (top two labels close),
-    so labels flip there more often than on real text. Measured per-channel: the default model's 11-task graph
-    91.2% agreement and 0.234 largest change, its amazon_food-only graph 94.4% / 0.116, the MiniLM N=8 benchmark
-    model 100% / 0.005; per-tensor, the default model falls to 83.1% / 0.425 and is refused (RESULTS.md)."""
+    so labels flip there more often than on real text. Measured with the default options: the default model's 11-task
+    graph 94.2% agreement and 0.208 largest change, its amazon_food-only graph 94.4% / 0.100; with every GEMM quantized
+    91.2% / 0.234 and 94.4% / 0.116, the MiniLM N=8 benchmark model 100% / 0.005; that per-tensor, the default model
+    falls to 83.1% / 0.425 and is refused (RESULTS.md)."""
 
     min_label_agreement: float = 0.85  # share of rows whose label equals the fp32 graph's
     max_probability_change: float = 0.3  # largest |p_int8 - p_fp32| of any label of any row
@@ -272,6 +277,8 @@ def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelPro
     fp32: dict[str, dict[str, Any]] = {}
     for kind, count in kept.items():
         label, why = KEPT_FP32[kind]
+        if kind in ("backbone MatMul", "Attention"):
+            why += f": fp32_roles {list(options.fp32_roles)}, fp32_layers {list(options.fp32_layers)}"
         entry = fp32.setdefault(label, {"count": 0, "why": why})
         entry["count"] += count
     ops = Counter(n.op_type for n in before.graph.node if n.name in chosen)
@@ -284,6 +291,7 @@ def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelPro
         "adapter_path": options.adapter_path,
         "fp32_roles": list(options.fp32_roles),
         "fp32_layers": list(options.fp32_layers),
+        "options": json.loads(json.dumps(asdict(options))),  # all of them, gate included, as the manifest holds them
         "quantized": {op: ops[op] for op in QUANTIZED_OPS},
         "of": {op: sum(n.op_type == op for n in before.graph.node) for op in QUANTIZED_OPS},
         "kept_fp32": fp32,
