@@ -7,21 +7,29 @@ built-in model's first start exports it), every int8 one by quantizing and gatin
 ``export --precision int8`` does (``models.int8_copy``):
 
 - ``fp32``: the reference, all 11 tasks
-- ``int8``: what ``--precision int8`` ships (weights one scale per output column, adapter path quantized)
+- ``int8``: what ``--precision int8`` ships (weights one scale per output column, adapter path quantized, the FFN's
+  output GEMM left in fp32)
+- ``int8, everything quantized``: every Attention and constant-weight MatMul quantized (the default before); the
+  variants below depart from it in one thing each:
 - ``int8 per-tensor``: one scale per weight tensor
 - ``int8 reduce-range``: weights in 7 bits (ONNX Runtime's advice for CPUs without VNNI)
 - ``int8, adapter path fp32``: the adapter blocks' MatMuls left in fp32 (in this 11-task graph that is the stacked
   down-projection; the fusion matrices are chosen by the task index at run time and stay fp32 anyway)
-- ``fp32 amazon_food only``, ``int8 amazon_food only`` and ``int8 amazon_food only, adapter path fp32``: the graph
-  serving amazon_food alone, where the fusion matrices are constants and are quantized too
+- ``int8, attention QKV fp32`` / ``int8, attention fp32``: the fused Attention (Q/K/V projections) / it and the
+  attention output projection left in fp32 in every layer
+- ``int8, first layer fp32`` / ``last layer`` / ``first and last layer``: those backbone layers left wholly in fp32
+- ``fp32 amazon_food only`` and ``int8 amazon_food only`` (shipped options), ``..., everything quantized`` and
+  ``..., adapter path fp32``: the graph serving amazon_food alone, where the fusion matrices are constants and are
+  quantized too
 
 The measurement variants are made with their gate off (thresholds 0 and 1) so that their figures show; every
-variant's gate figures (the export grid of random token ids) are recorded beside its dev figures.
+variant's gate figures (the export grid of random token ids) are recorded beside its dev figures. ``--reuse`` also
+reuses the logits a previous run cached in --workdir/logits (by variant folder, task, split and number of rows).
 
-Dev splits (at most --dev-limit examples per task, a seeded sample; the choices were made on these): per task, accuracy, label agreement
-with fp32 and the largest change of a probability. Test splits, fp32 against the shipped int8: every served task,
-every example for the two target fusion tasks (amazon_food, bbc_news), at most --test-limit (a seeded sample) for
-each other task.
+Dev splits (at most --dev-limit examples per task, a seeded sample, and every example of the two target fusion tasks,
+amazon_food and bbc_news; the choices were made on these): per task, accuracy, label agreement with fp32 and the
+largest change of a probability. Test splits, fp32 against the shipped int8: every served task, every example for
+the target fusions, at most --test-limit (a seeded sample) for each other task.
 Writes benchmarks/results/int8.json and .png, its section of benchmarks/RESULTS.md and the int8 section of
 fusionserve/default_model/REPORT.md.
 """
@@ -51,20 +59,41 @@ TARGETS = ("amazon_food", "bbc_news")
 
 def _variants() -> dict[str, dict[str, Any]]:
     """name -> how it is made: exported ('tasks'), or quantized from the fp32 artifact 'of' with 'int8' options."""
+    from dataclasses import replace
+
     from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
 
-    off = Int8Gate(0.0, 1.0)
+    # every measured variant departs from "everything quantized" (the default until the FFN-output comparison)
+    base = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0))
     one = "fp32 amazon_food only"
     return {
         "fp32": {"tasks": None},
         "int8": {"of": "fp32", "int8": DEFAULT_OPTIONS},
-        "int8 per-tensor": {"of": "fp32", "int8": Int8Options(per_channel=False, gate=off)},
-        "int8, adapter path fp32": {"of": "fp32", "int8": Int8Options(adapter_path=False, gate=off)},
-        "int8 reduce-range": {"of": "fp32", "int8": Int8Options(reduce_range=True, gate=off)},
+        "int8, everything quantized": {"of": "fp32", "int8": base},
+        "int8 per-tensor": {"of": "fp32", "int8": replace(base, per_channel=False)},
+        "int8, adapter path fp32": {"of": "fp32", "int8": replace(base, adapter_path=False)},
+        "int8 reduce-range": {"of": "fp32", "int8": replace(base, reduce_range=True)},
+        "int8, attention QKV fp32": {"of": "fp32", "int8": replace(base, fp32_roles=("attention_qkv",))},
+        "int8, attention fp32": {"of": "fp32", "int8": replace(base, fp32_roles=("attention_qkv", "attention_out"))},
+        "int8, first layer fp32": {"of": "fp32", "int8": replace(base, fp32_layers=(0,))},
+        "int8, last layer fp32": {"of": "fp32", "int8": replace(base, fp32_layers=(-1,))},
+        "int8, first and last layer fp32": {"of": "fp32", "int8": replace(base, fp32_layers=(0, -1))},
+        "int8, FFN output GEMM fp32 in layers 0-2": {"of": "fp32", "int8": replace(base, fp32_roles=_ffn_out(0, 1, 2))},
+        "int8, FFN output GEMM fp32 in layers 3-5": {"of": "fp32", "int8": replace(base, fp32_roles=_ffn_out(3, 4, 5))},
+        "int8, FFN output GEMM fp32 in layer 0": {"of": "fp32", "int8": replace(base, fp32_roles=_ffn_out(0))},
+        "int8, first layer and FFN output GEMM fp32": {
+            "of": "fp32",
+            "int8": replace(base, fp32_roles=("ffn_out",), fp32_layers=(0,)),
+        },
         one: {"tasks": ["amazon_food"]},
         "int8 amazon_food only": {"of": one, "int8": DEFAULT_OPTIONS},
-        "int8 amazon_food only, adapter path fp32": {"of": one, "int8": Int8Options(adapter_path=False, gate=off)},
+        "int8 amazon_food only, everything quantized": {"of": one, "int8": base},
+        "int8 amazon_food only, adapter path fp32": {"of": one, "int8": replace(base, adapter_path=False)},
     }
+
+
+def _ffn_out(*layers: int) -> tuple[str, ...]:
+    return tuple(f"ffn_out:{i}" for i in layers)
 
 
 def folder_name(name: str) -> str:
@@ -134,8 +163,24 @@ def compare(reference: np.ndarray, other: np.ndarray, labels: np.ndarray) -> dic
     }
 
 
+def _cached(runner: Any, name: str, task: str, rows: list[dict[str, Any]], split: str, cache: Path | None) -> np.ndarray:
+    """``_logits``, kept in ``cache`` (a --reuse run's workdir/logits) by variant, task, split and number of rows."""
+    if cache is None:
+        return _logits(runner, task, rows)
+    path = cache / f"{folder_name(name)}.{task}.{split}.{len(rows)}.npy"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, _logits(runner, task, rows))
+    return np.load(path)
+
+
 def evaluate_split(
-    runners: dict[str, Any], split: str, work: Path, limit: int | None, full: tuple[str, ...] = ()
+    runners: dict[str, Any],
+    split: str,
+    work: Path,
+    limit: int | None,
+    full: tuple[str, ...] = (),
+    cache: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per variant (but the fp32 ones) and task it serves: ``compare`` against the fp32 graph of the same tasks.
     At most ``limit`` examples of each task but those in ``full``."""
@@ -146,14 +191,11 @@ def evaluate_split(
         labels = runners["fp32"].task(task).labels
         y = np.array([labels.index(r["label"]) for r in rows])
         print(f"{split} {task}: {len(rows)} examples", file=sys.stderr)
-        cache: dict[str, np.ndarray] = {}
-        for name, runner in runners.items():
-            if task in runner.artifact.tasks:
-                cache[name] = _logits(runner, task, rows)
+        logits = {n: _cached(r, n, task, rows, split, cache) for n, r in runners.items() if task in r.artifact.tasks}
         for name in out:
-            if name in cache:
+            if name in logits:
                 ref = "fp32 amazon_food only" if "amazon_food only" in name else "fp32"
-                out[name][task] = compare(cache[ref], cache[name], y)
+                out[name][task] = compare(logits[ref], logits[name], y)
     return out
 
 
@@ -176,9 +218,11 @@ def run(spec: Path, work: Path, dev_limit: int, test_limit: int | None, reuse: b
     work.mkdir(parents=True, exist_ok=True)
     folders = artifacts(spec, work, reuse)
     runners = {name: OnnxRunner(f, THREADS, device="cpu") for name, f in folders.items()}
-    gates = {n: load_artifact(f).manifest.get("int8", {}).get("gate") for n, f in folders.items()}
-    dev = evaluate_split(runners, "dev", work, dev_limit)
-    test = evaluate_split({k: runners[k] for k in ("fp32", "int8")}, "test", work, test_limit, TARGETS)
+    int8 = {n: load_artifact(f).manifest.get("int8") for n, f in folders.items()}
+    gates = {n: r["gate"] for n, r in int8.items() if r}
+    cache = work / "logits" if reuse else None
+    dev = evaluate_split(runners, "dev", work, dev_limit, TARGETS, cache)
+    test = evaluate_split({k: runners[k] for k in ("fp32", "int8")}, "test", work, test_limit, TARGETS, cache)
     return {
         "dev_limit": dev_limit,
         "test_limit": test_limit,
@@ -186,13 +230,22 @@ def run(spec: Path, work: Path, dev_limit: int, test_limit: int | None, reuse: b
         "dev": dev,
         "test": test["int8"],
         "sizes": {n: _sizes(f) for n, f in folders.items() if n in ("fp32", "int8")},
+        "quantized": {n: _quantized(r["quantization"]) for n, r in int8.items() if r},
+    }
+
+
+def _quantized(q: dict[str, Any]) -> dict[str, Any]:
+    """What a variant quantized: int8 MatMuls and Attentions out of all, and the weights stored as int8."""
+    return {op: f"{q['quantized'][op]}/{q['of'][op]}" for op in q["quantized"]} | {
+        "int8_weights": q["weights_by_type"].get("int8", 0)
     }
 
 
 def _pooled(per_task: dict[str, dict[str, Any]]) -> dict[str, float]:
     n = sum(r["examples"] for r in per_task.values())
     agree = sum(r["agreement"] * r["examples"] for r in per_task.values()) / n
-    return {"examples": n, "agreement": round(agree, 2), "min_agreement": min(r["agreement"] for r in per_task.values())}
+    lowest = min(per_task, key=lambda t: per_task[t]["agreement"])
+    return {"examples": n, "agreement": round(agree, 2), "min_agreement": per_task[lowest]["agreement"], "lowest": lowest}
 
 
 def _table(per_task: dict[str, dict[str, Any]]) -> list[str]:
@@ -213,18 +266,36 @@ def markdown(result: dict[str, Any], command: str) -> tuple[str, str]:
     head = (
         f"`{command}` on {m['cpu']} ({m['cores']} cores), onnxruntime {m['onnxruntime']}, {m['date']}. The built-in "
         "model exported at 128 tokens; int8 = `--precision int8` (dynamic quantization, weights one scale per output "
-        "column, activations one scale per tensor at run time). Agreement and probability change are against the fp32 "
-        "graph of the same tasks."
+        "column, activations one scale per tensor at run time, the FFN's output GEMM left in fp32). Agreement and "
+        "probability change are against the fp32 graph of the same tasks; they do not depend on the machine's load "
+        "(no speed is measured here)."
     )
     limit = result.get("test_limit")
     which = f"every example for the target fusions, at most {limit} for each other task" if limit else "every example"
-    lines = [head, "", f"**Choices, on the dev splits** (at most {result['dev_limit']} examples per task):", ""]
-    lines += ["| variant | rows | pooled label agreement % | lowest task % | gate grid: agreement / max prob. change |"]
-    lines.append("|---|---:|---:|---:|---|")
+    lines = [
+        head,
+        "",
+        f"**Choices, on the dev splits** (at most {result['dev_limit']} examples per task, every example of the target fusions):",
+        "",
+    ]
+    lines += [
+        "| variant | rows | pooled label agreement % | lowest task % | amazon_food (whole dev) % | bbc_news % "
+        "| int8 MatMul / Attention | int8 weights | gate grid: agreement / max prob. change |"
+    ]
+    lines.append("|---|---:|---:|---:|---:|---:|---|---:|---|")
     for name, per_task in result["dev"].items():
-        p, g = _pooled(per_task), result["gates"].get(name)
+        p, g, q = _pooled(per_task), result["gates"].get(name), result.get("quantized", {}).get(name, {})
         grid = f"{100 * g['label_agreement']:.1f}% / {g['max_probability_change']:.3f}" if g else "-"
-        lines.append(f"| {name} | {p['examples']} | {p['agreement']:.2f} | {p['min_agreement']:.1f} | {grid} |")
+        amazon, bbc = (per_task[t]["agreement"] if t in per_task else float("nan") for t in TARGETS)
+        lines.append(
+            f"| {name} | {p['examples']} | {p['agreement']:.2f} | {p['min_agreement']:.1f} ({p['lowest']}) | {amazon:.2f} "
+            f"| {bbc:.1f} | {q.get('MatMul', '?')} / {q.get('Attention', '?')} | {q.get('int8_weights', 0):,} | {grid} |"
+        )
+    reached = [n for n, t in result["dev"].items() if t.get(TARGETS[0], {}).get("agreement", 0) >= 99]
+    lines += [
+        "",
+        f"Variants whose label agreement on {TARGETS[0]}'s whole dev split is >= 99%: {', '.join(reached) or 'none'}.",
+    ]
     lines += ["", f"**Shipped int8 on the test splits** (every served task; {which}):", "", *_table(result["test"])]
     targets = {t: result["test"][t] for t in TARGETS if t in result["test"]}
     verdict = [
@@ -237,7 +308,8 @@ def markdown(result: dict[str, Any], command: str) -> tuple[str, str]:
     size = (
         f"model.onnx {s32['model_mb']} MB fp32, {s8['model_mb']} MB int8 ({s32['model_mb'] / s8['model_mb']:.2f}x smaller); "
         f"{s8['int8_weights']:,} weights stored as int8 (4x smaller than fp32: 1 byte each, plus a scale per column), "
-        f"{s8['float_weights']:,} stay float (embeddings, LayerNorms, heads, the task-selected fusion matrices)."
+        f"{s8['float_weights']:,} stay float (embeddings, LayerNorms, heads, the FFN output GEMMs, the task-selected "
+        "fusion matrices)."
     )
     lines += ["", *[f"- {v}" for v in verdict], f"- Size: {size}", ""]
     report = "\n".join(
