@@ -9,8 +9,7 @@ from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.predictions import TextInput, softmax
 from fusionserve.serving.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
-from tests.serving_helpers import serving
-from tests.test_serving_e2e import _call
+from tests.serving_helpers import call, serving
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def test_int8_artifact_served_over_http_answers_as_in_process(served):
     local = OnnxRunner(art, device="cpu")
     assert local.artifact.manifest["precision"] == "int8"
     inputs = [SENTENCES[0], {"text": PAIRS[0][0], "text_pair": PAIRS[0][1]}]
-    status, body = _call(url + "/v1/classify", {"task": "rte", "inputs": inputs, "return_fusion_activations": True})
+    status, body = call(url + "/v1/classify", {"task": "rte", "inputs": inputs, "return_fusion_activations": True})
     assert status == 200, body
     want, _ = local.logits("rte", [TextInput(SENTENCES[0]), TextInput(*PAIRS[0])])
     probs = softmax(want.astype(np.float64))
@@ -37,5 +36,5 @@ def test_int8_artifact_served_over_http_answers_as_in_process(served):
         assert pred["label"] == local.labels["rte"][int(np.argmax(p))]
     values = np.asarray(body["fusion_activations"]["values"])  # (inputs, layers, adapters)
     np.testing.assert_allclose(values.sum(-1), 1.0, atol=1e-4)
-    status, tasks = _call(url + "/v1/tasks")
+    status, tasks = call(url + "/v1/tasks")
     assert status == 200 and tasks["max_seq_len"] == 16
