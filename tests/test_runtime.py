@@ -61,6 +61,13 @@ def test_cpu_defaults_are_the_plain_path(artifacts):
     assert spy.shapes == [enc.input_ids.shape]  # one plain session.run at the batch's own length
 
 
+def test_sessions_split_parallel_work_into_dynamic_blocks(artifacts):
+    # a thread that loses its core then holds no operator up (measured in the server: benchmarks/RESULTS.md)
+    for spin in (True, False):
+        options = OnnxRunner(artifacts.fp32, device="cpu", spin=spin).session.get_session_options()
+        assert options.get_session_config_entry("session.dynamic_block_base") == "4"
+
+
 # --- IO binding on the CPU provider == plain run -------------------------------------------------------------
 
 
