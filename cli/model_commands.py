@@ -28,6 +28,7 @@ def add_export(sub: Any) -> None:
         default="fp32",
         help="fp16 halves the weights, for GPU; int8 quantizes the GEMMs, for CPU (default fp32)",
     )
+    add_int8_fp32(ex)
     ex.add_argument(
         "--max-seq-len",
         type=int,
@@ -46,6 +47,37 @@ def add_export(sub: Any) -> None:
     ex.set_defaults(run=run_export, needs="export")
 
 
+# ROLES / DEFAULT_FP32_ROLES of export/quantize.py, written here too: the parser is built without the export extras
+INT8_ROLES = ("attention_qkv", "attention_out", "ffn_in", "ffn_out")
+
+
+def add_int8_fp32(parser: Any) -> None:
+    parser.add_argument(
+        "--int8-fp32",
+        nargs="+",
+        metavar="ROLE",
+        help="with --precision int8: the backbone GEMMs left in fp32, in every layer (ROLE) or one (ROLE:LAYER, -1 the "
+        f"last); roles: {', '.join(INT8_ROLES)}; 'none' quantizes them all: faster, less close to fp32 (see the "
+        "README's precision table). Default: ffn_out",
+    )
+
+
+def int8_options(args: argparse.Namespace) -> Any:
+    """The Int8Options of ``--int8-fp32`` (the defaults when it is not given). Raises InputError for an unknown
+    role, or for the option without --precision int8."""
+    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Options
+
+    if args.int8_fp32 is None:
+        return DEFAULT_OPTIONS
+    if args.precision != "int8":
+        raise InputError(f"--int8-fp32 is for --precision int8 (this is --precision {args.precision})")
+    roles = () if args.int8_fp32 == ["none"] else tuple(args.int8_fp32)
+    try:
+        return Int8Options(fp32_roles=roles)
+    except ValueError as exc:
+        raise InputError(f"--int8-fp32: {exc}".replace("fp32_roles: ", "")) from None
+
+
 def run_export(args: argparse.Namespace) -> int:
     from fusionserve.export.artifact import export_artifact
 
@@ -58,6 +90,7 @@ def run_export(args: argparse.Namespace) -> int:
         args.force,
         tasks=args.tasks,
         parity_grid=args.parity_grid,
+        int8=int8_options(args),
     )
     print(
         f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "

@@ -15,6 +15,7 @@ from typing import Any
 from fusionserve.errors import InputError, MissingDependency
 
 from . import default
+from .model_commands import add_int8_fp32, int8_options
 from .runners import open_runner
 
 _DEFAULT = "default: the built-in model"
@@ -56,6 +57,7 @@ def _add_prune(sub: Any) -> None:
     pn.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks (default: every task of the spec)")
     pn.add_argument("--out", required=True, type=Path, help="artifact folder to write")
     pn.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32", help="as for export (default fp32)")
+    add_int8_fp32(pn)
     pn.add_argument("--max-seq-len", type=int, help="as for export (default: the spec's max_seq_len, else the tokenizer's)")
     pn.add_argument("--force", action="store_true", help="replace --out if it exists")
     pn.add_argument("--eval", type=Path, metavar="FILE", help="labelled JSONL: print accuracy and latency before and after")
@@ -130,12 +132,15 @@ def run_prune(args: argparse.Namespace) -> int:
         calibrated = list(load_stats(args.stats)["tasks"])
         if len(calibrated) != 1:
             raise InputError(f"--eval needs --eval-task: the stats cover {len(calibrated)} tasks ({', '.join(calibrated)})")
-    manifest, plans = prune_artifact(spec, args.stats, rule, args.out, args.tasks, args.precision, max_seq_len, args.force)
+    int8 = int8_options(args)
+    manifest, plans = prune_artifact(
+        spec, args.stats, rule, args.out, args.tasks, args.precision, max_seq_len, args.force, int8=int8
+    )
     text = render(plans, manifest)
     if args.eval is not None:
         task = args.eval_task or next(iter(plans))
         text += "\n" + render_comparison(
-            compare(spec, args.out, task, args.eval, args.tasks, args.baseline, max_seq_len, precision=args.precision)
+            compare(spec, args.out, task, args.eval, args.tasks, args.baseline, max_seq_len, precision=args.precision, int8=int8)
         )
     print(text)
     print(f"wrote {args.out}")
@@ -153,6 +158,7 @@ def compare(
     batch_size: int = 32,
     progress: bool = True,
     precision: str = "fp32",
+    int8: Any = None,
 ) -> dict[str, Any]:
     """Accuracy on ``eval_input`` and latency (batch 16, seq 128 or the token limit) of ``task`` before and after pruning, both on
     ONNX Runtime. The unpruned model is exported (at ``precision``, the pruned one's, so that only pruning differs) to a
@@ -171,7 +177,8 @@ def compare(
             baseline = scratch / "artifact"
             if progress:
                 print("exporting the unpruned model to compare against", file=sys.stderr)
-            export_artifact(spec_path, baseline, precision, max_seq_len=max_seq_len, tasks=tasks, progress=progress)
+            extra = {"int8": int8} if int8 is not None else {}  # the pruned model's int8 options: only pruning differs
+            export_artifact(spec_path, baseline, precision, max_seq_len=max_seq_len, tasks=tasks, progress=progress, **extra)
         runners = {"unpruned": OnnxRunner(baseline, device="cpu"), "pruned": OnnxRunner(pruned, device="cpu")}
         for name, runner in runners.items():
             if task not in runner.artifact.tasks:

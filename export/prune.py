@@ -22,6 +22,7 @@ from fusionserve.serving.activations import load_stats
 from fusionserve.serving.artifact import sha256
 
 from .model import TaskInfo
+from .quantize import DEFAULT_OPTIONS, Int8Options
 
 
 class PruneError(FusionServeError):
@@ -161,6 +162,7 @@ def prune_artifact(
     max_seq_len: int | None = None,
     force: bool = False,
     progress: bool = True,
+    int8: Int8Options = DEFAULT_OPTIONS,
 ) -> tuple[dict[str, Any], dict[str, TaskPlan]]:
     """Export the spec (only ``tasks`` when given) with its calibrated fusions pruned by ``rule``; the manifest's
     ``pruning`` field records the rule, the statistics and, per task and layer, what was kept and why the rest went.
@@ -199,7 +201,7 @@ def prune_artifact(
     del model
     manifest = export_artifact(
         spec_path, out, precision, max_seq_len, force=force, progress=progress,
-        tasks=tasks, dropped=dropped(plans, infos), pruning=record,
+        tasks=tasks, dropped=dropped(plans, infos), pruning=record, int8=int8,
     )  # fmt: skip
     return manifest, plans
 

@@ -178,3 +178,24 @@ def test_cli_export_int8_inspect_and_prune(built_st, stats, tmp_path, capsys):
     assert gate["label_agreement"] >= gate["thresholds"]["min_label_agreement"]
     code, out, _ = _cli(capsys, "predict", pruned, "--task", "rte", "--text", "the movie was great")
     assert code == 0 and '"label": ' in out
+
+
+def test_cli_int8_fp32_chooses_the_gemms_left_in_fp32(built_st, stats, tmp_path, capsys):
+    from fusionserve.cli.model_commands import INT8_ROLES
+
+    assert INT8_ROLES == ROLES  # the CLI's copy (its parser is built without the export extras)
+    every = tmp_path / "every"
+    argv = ["--out", every, "--precision", "int8", "--max-seq-len", 16, "--int8-fp32", "none"]
+    code, out, _ = _cli(capsys, "export", built_st.spec, *argv)
+    assert code == 0, out
+    q = load_artifact(every).manifest["int8"]["quantization"]
+    assert q["fp32_roles"] == [] and q["quantized"]["MatMul"] == QUANTIZED_MATMULS + LAYERS  # the FFN output GEMMs too
+    pruned = tmp_path / "pruned"
+    argv = ["prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--tasks", "rte", "--out", pruned]
+    code, out, _ = _cli(capsys, *argv, "--precision", "int8", "--max-seq-len", 16, "--int8-fp32", "ffn_in:0", "ffn_out")
+    assert code == 0, out
+    assert load_artifact(pruned).manifest["int8"]["quantization"]["fp32_roles"] == ["ffn_in:0", "ffn_out"]
+    code, _, err = _cli(capsys, "export", built_st.spec, "--out", tmp_path / "x", "--precision", "int8", "--int8-fp32", "ffn")
+    assert code == 2 and "--int8-fp32: unknown entry 'ffn'; allowed: attention_qkv" in err
+    code, _, err = _cli(capsys, "export", built_st.spec, "--out", tmp_path / "y", "--int8-fp32", "ffn_out")
+    assert code == 2 and "--int8-fp32 is for --precision int8 (this is --precision fp32)" in err
