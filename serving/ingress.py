@@ -101,7 +101,7 @@ def fit_open_files() -> int | None:
 
 
 def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
-    """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin socket and state files
+    """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin and metrics sockets and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
     Ray nodes) on one machine never share them.
 
@@ -113,6 +113,8 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "a.sock"),
+            # its metrics socket too (Serve's default, /tmp/haproxy-serve/<node id>/, is shared and never removed)
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(folder / "m.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),

@@ -106,3 +106,16 @@ def serving(artifact: Path, log: Path, *args: str) -> Iterator[Served]:
         yield served
     finally:
         stop(served)
+
+
+def haproxy_config(pid: int) -> Path:
+    """The config file of the HAProxy that the server ``pid`` started: ``<its private folder>/<node id>/haproxy.cfg``
+    (see serving/ingress.py)."""
+    for child in descendants(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if Path(argv[0]).name == "haproxy" and "-f" in argv:
+            return Path(argv[argv.index("-f") + 1])
+    raise AssertionError(f"no HAProxy below pid {pid}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fusionserve.export.artifact import export_artifact
-from tests.serving_helpers import alive, call, descendants, launch, stop
+from tests.serving_helpers import alive, call, descendants, haproxy_config, launch, stop
 
 pytestmark = pytest.mark.slow
 
@@ -175,6 +175,10 @@ def test_a_second_server_on_a_taken_port_is_refused_before_anything_starts(serve
 def test_sigterm_stops_every_process_it_started_and_exits_0(server):
     before = descendants(server.proc.pid)
     assert len(before) >= 4  # Ray's processes, the replica, HAProxy
+    config = haproxy_config(server.proc.pid)
+    # HAProxy's files, its metrics socket included, are in the server's own folder (Serve's default for that socket
+    # is /tmp/haproxy-serve/<node id>/, shared and never removed), and go with it
+    assert not (Path("/tmp/haproxy-serve") / config.parent.name).exists()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(60) == 0, server.log.read_text()[-2000:]
     deadline = time.time() + 15
@@ -184,6 +188,7 @@ def test_sigterm_stops_every_process_it_started_and_exits_0(server):
     text = server.log.read_text()
     assert "fusionserve: shutting down" in text and "SIGTERM received" not in text and "Traceback" not in text
     assert "failed" not in text.lower(), text
+    assert not config.parent.parent.exists()
 
 
 def test_haproxy_fits_the_open_file_limit_it_gets():

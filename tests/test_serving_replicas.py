@@ -4,7 +4,6 @@ concurrent load then reaches both, and each answers correctly."""
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,7 @@ from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.ingress import routed_replicas
 from fusionserve.serving.server import APP_NAME
 from tests.adapterhub_models import SENTENCES
-from tests.serving_helpers import descendants, serving
+from tests.serving_helpers import haproxy_config, serving
 
 pytestmark = pytest.mark.slow
 
@@ -23,25 +22,13 @@ def _post(url: str, body: dict) -> tuple[int, dict, str]:
         return resp.status, json.loads(resp.read()), resp.headers.get("x-fusionserve-replica", "")
 
 
-def _haproxy_folder(pid: int) -> Path:
-    """The private folder (see serving/ingress.py) of the HAProxy that the server ``pid`` started."""
-    for child in descendants(pid):
-        try:
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if Path(argv[0]).name == "haproxy" and "-f" in argv:
-            return Path(argv[argv.index("-f") + 1]).parent.parent  # <folder>/<node id>/haproxy.cfg
-    raise AssertionError(f"no HAProxy below pid {pid}")
-
-
 def test_two_replicas_both_serve(built_st, tmp_path):
     art = tmp_path / "art"
     export_artifact(built_st.spec, art, max_seq_len=32, progress=False)
     with serving(art, tmp_path / "server.log", "--replicas", "2", "--threads", "1") as served:
         # said before the wait for HAProxy existed: the second replica joined 0.5-2 s after "serving", and under load
         # (CI) every request of the burst below went to the first
-        assert routed_replicas(_haproxy_folder(served.proc.pid), APP_NAME) == 2
+        assert routed_replicas(haproxy_config(served.proc.pid).parent.parent, APP_NAME) == 2
         body = {"task": "rte", "inputs": [SENTENCES[0]]}
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda _: _post(f"{served.url}/v1/classify", body), range(80)))
