@@ -54,7 +54,7 @@ class BatchLimits:
         checks = {
             "max_batch_size": self.max_batch_size >= 1,
             "max_batch_tokens": self.max_batch_tokens >= 1,
-            "max_queued": self.max_queued >= 0,
+            "max_queued": self.max_queued >= 1,
             "batch_wait_s": 0 <= self.batch_wait_s <= 10,
         }
         bad = [k for k, ok in checks.items() if not ok]

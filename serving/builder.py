@@ -50,7 +50,7 @@ RANGES = {
     "max_batch_size": (lambda v: v >= 1, ">= 1"),
     "max_batch_tokens": (lambda v: v >= 8, ">= 8"),
     "batch_wait_ms": (lambda v: 0 <= v <= 10_000, "0..10000"),
-    "max_queued": (lambda v: v >= 0, ">= 0"),
+    "max_queued": (lambda v: v >= 1, ">= 1"),  # 0 would refuse every request (and Serve refuses it)
     "max_ongoing": (lambda v: v is None or v >= 1, ">= 1"),
     "max_inputs": (lambda v: v >= 1, ">= 1"),
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),

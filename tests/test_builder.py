@@ -51,6 +51,8 @@ def test_autoscaling_arguments_become_serves_autoscaling_config(artifact):
 
 BAD_ARGS = [
     ({"max_batch_size": 0}, FusionServeError, "max_batch_size = 0 is out of range; allowed: >= 1"),
+    # 0 would refuse every request, and Serve's own max_queued_requests refuses it with a traceback at deploy time
+    ({"max_queued": 0}, FusionServeError, "max_queued = 0 is out of range; allowed: >= 1"),
     ({"device": "tpu"}, FusionServeError, "device = 'tpu' is not known; allowed: auto, cpu, cuda"),
     ({"min_replicas": 1}, FusionServeError, "autoscaling needs both min_replicas and max_replicas"),
     ({"min_replicas": 3, "max_replicas": 2}, FusionServeError, "min_replicas = 3 is above max_replicas = 2"),
@@ -70,6 +72,8 @@ def test_bad_builder_arguments_are_refused_with_the_argument_named(artifact, ext
 def test_server_options_are_named_as_flags(artifact):
     with pytest.raises(FusionServeError, match="--max-batch-size = 0 is out of range"):
         ServerConfig(artifact, max_batch_size=0)
+    with pytest.raises(FusionServeError, match="--max-queued = 0 is out of range; allowed: >= 1"):
+        ServerConfig(artifact, max_queued=0)
     with pytest.raises(FusionServeError, match="--min-replicas = 3 is above --max-replicas = 2"):
         ServerConfig(artifact, min_replicas=3, max_replicas=2)
     with pytest.raises(FusionServeError, match="--grpc-port = 8000 is the HTTP --port too"):
