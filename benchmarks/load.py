@@ -58,12 +58,15 @@ def load_texts(name: str, limit: int = 2000) -> list[str]:
         return FALLBACK_TEXTS
 
 
-def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[int], seconds: float) -> dict:
-    """Texts per second through OnnxRunner (tokenize + ONNX Runtime, every core), and the median time of a batch."""
+def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[int], seconds: float, spin: bool = True) -> dict:
+    """Texts per second through OnnxRunner (tokenize + ONNX Runtime, every core), and the median time of a batch.
+    ``spin``: idle ONNX Runtime threads busy-wait for the next run (the fastest a lone process gets); the server
+    runs its session without spinning (its HTTP side needs the cores between runs), so ``spin=False`` is the model
+    as served."""
     from fusionserve.serving.predictions import TextInput
     from fusionserve.serving.runtime import OnnxRunner
 
-    runner = OnnxRunner(artifact, device="cpu")
+    runner = OnnxRunner(artifact, device="cpu", spin=spin)
     out = {}
     for b in batch_sizes:
         times, i = [], 0
@@ -207,14 +210,21 @@ def main(argv: list[str] | None = None) -> int:
         result["echo"] = [
             closed_loop(echo.port, "/v1/classify", servers.body_maker(task, texts), c, args.seconds) for c in (1, 16)
         ]
+        # the same burst answered by an app that does nothing: what fresh connections cost the client and this machine
+        result["echo_burst"] = burst(echo.port, "/v1/classify", {"task": task, "inputs": texts[:8]}, args.burst)
     finally:
         echo.stop()
     print(f"load: echo {result['echo']}", file=sys.stderr)
     result["ingress"] = {ing: run_ingress(args, ing, task, texts, logs) for ing in args.ingress}
     result["in_process"] = in_process(args.artifact, task, texts, [1, 4, 8, 16, 32], min(args.seconds, 10))
-    print(f"load: in-process {result['in_process']}", file=sys.stderr)
+    result["in_process_served"] = in_process(args.artifact, task, texts, [1, 8], min(args.seconds, 10), spin=False)
+    print(f"load: in-process {result['in_process']}; as served (no spinning) {result['in_process_served']}", file=sys.stderr)
     if args.soak:
         result["soak"] = soak(args, task, texts, logs)
+    elif (args.out / "load.json").is_file():  # a soak run apart (--soak-only) stays recorded until the next soak
+        kept = json.loads((args.out / "load.json").read_text()).get("soak")
+        if kept is not None:
+            result["soak"] = kept | {"command": kept.get("command", "an earlier run")}
     record(
         args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), not args.no_record
     )
