@@ -101,7 +101,7 @@ def folder_name(name: str) -> str:
 
 
 def artifacts(spec: Path, work: Path, reuse: bool) -> dict[str, Path]:
-    """Every variant's artifact folder under ``work`` (benchmarks/cpu_options.py reuses them)."""
+    """Every variant's artifact folder under ``work``; with ``reuse``, one that has a manifest is kept as it is."""
     from benchmarks.models import int8_copy
     from fusionserve.export.artifact import export_artifact
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import InputError
+from fusionserve.export.gemm_roles import DEFAULT_FP32_ROLES, ROLES  # no torch, no onnx: the parser needs no export extra
 from fusionserve.serving.artifact import is_artifact, load_artifact, render_int8, render_manifest
 from fusionserve.serving.predictions import TextInput
 
@@ -47,18 +48,14 @@ def add_export(sub: Any) -> None:
     ex.set_defaults(run=run_export, needs="export")
 
 
-# ROLES / DEFAULT_FP32_ROLES of export/quantize.py, written here too: the parser is built without the export extras
-INT8_ROLES = ("attention_qkv", "attention_out", "ffn_in", "ffn_out")
-
-
 def add_int8_fp32(parser: Any) -> None:
     parser.add_argument(
         "--int8-fp32",
         nargs="+",
         metavar="ROLE",
         help="with --precision int8: the backbone GEMMs left in fp32, in every layer (ROLE) or one (ROLE:LAYER, -1 the "
-        f"last); roles: {', '.join(INT8_ROLES)}; 'none' quantizes them all: faster, less close to fp32 (see the "
-        "README's precision table). Default: ffn_out",
+        f"last); roles: {', '.join(ROLES)}; 'none' quantizes them all: faster, less close to fp32 (see the "
+        f"README's precision table). Default: {', '.join(DEFAULT_FP32_ROLES)}",
     )
 
 

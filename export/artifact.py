@@ -172,6 +172,19 @@ def _validated_graph(
     return session, report, parity, record
 
 
+def _publish(work: Path, out: Path, manifest: dict[str, Any], step: _Steps) -> dict[str, Any]:
+    """Write the manifest (last, with the checksums of the finished ``work`` folder), then put ``work`` in the place
+    of ``out``, replacing what was there; returns the manifest as written."""
+    manifest = write_manifest(work, manifest)
+    step("manifest written")
+
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    work.rename(out)
+    step(f"written to {out}")
+    return manifest
+
+
 def export_artifact(
     spec_path: str | Path,
     out: str | Path,
@@ -221,13 +234,7 @@ def export_artifact(
         if pruning is not None:
             manifest["pruning"] = pruning
         manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}
-        manifest = write_manifest(work, manifest)
-        step("manifest written")
-
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        work.rename(out)
-        step(f"written to {out}")
+        manifest = _publish(work, out, manifest, step)
     finally:
         step.bar.close()
         if work.exists():

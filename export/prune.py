@@ -148,7 +148,7 @@ def plan(doc: Mapping[str, Any], infos: Mapping[str, TaskInfo], rule: PruneRule,
 
 
 def dropped(plans: Mapping[str, TaskPlan], infos: Mapping[str, TaskInfo]) -> dict[str, list[frozenset[str]]]:
-    """Per task and layer, the adapters to remove: what ``model.build_model`` takes."""
+    """Per task and layer, the adapters to remove: what ``build.build_model`` takes."""
     return {task: [frozenset(set(infos[task].adapters) - set(kept)) for kept in p.kept_per_layer] for task, p in plans.items()}
 
 

@@ -2,7 +2,8 @@
 
 The generated files are committed (the package then installs and runs with grpcio and protobuf only, and the
 Docker images need no code generator); ``python -m tests.grpc_stubs`` regenerates them after a change to the
-.proto, and tests/test_grpc_stubs.py checks that the committed files are what the .proto generates.
+.proto, and tests/test_builder.py (test_grpc_stubs_are_what_the_proto_generates) checks that the committed files
+are what the .proto generates.
 """
 
 from __future__ import annotations

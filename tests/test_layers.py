@@ -128,14 +128,48 @@ def test_serving_scoring_and_cli_import_without_torch():
     modules = [m for m in _modules() if _layer(m) in ("fusionserve", SERVING, "fusionserve.scoring", "fusionserve.cli")]
     code = _BLOCK_TORCH + (
         f"for m in {modules!r}:\n    __import__(m)\n"
-        "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'onnxruntime', 'tokenizers')}))\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'onnx', 'onnxruntime', 'tokenizers')}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "torch": False,
         "transformers": False,
+        "onnx": False,  # the export extra's graph library: the CLI's parser takes int8 roles from export/gemm_roles.py
         "onnxruntime": True,
         "tokenizers": True,
     }
     assert len(modules) > 20
+
+
+# style.md's size limits: modules in the package folders, functions in the two halves (export/, serving/)
+SIZED_FOLDERS = ("cli", "export", "serving", "scoring", "training", "fusionserve", "benchmarks")
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def _sources(folders: tuple[str, ...]) -> list[Path]:
+    """Every hand-written .py file under ``folders`` (gRPC stubs are generated: *_pb2.py, *_pb2_grpc.py)."""
+    paths = [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))]
+    return [p for p in paths if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+
+
+def test_no_module_over_the_line_limit():
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in _sources(SIZED_FOLDERS)
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    ]
+    assert len(_sources(SIZED_FOLDERS)) > 60  # the folders were found
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_function_over_the_line_limit_in_export_and_serving():
+    long = []
+    for path in _sources(("export", "serving")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            # def line to last line (decorators not counted); methods and nested functions included
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name}: {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)

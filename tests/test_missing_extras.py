@@ -1,10 +1,11 @@
-"""A missing extra or a Ray that cannot be reached ends ``fusionserve`` with one readable line naming what to do
-(exit 2), never a traceback. Each case runs the real CLI in a fresh interpreter where the package is made
-unimportable."""
+"""A missing extra, a Ray cluster that cannot be reached or a local Ray that does not start ends ``fusionserve`` with
+one readable line naming what to do (exit 2), never a traceback. Each missing extra runs the real CLI in a fresh
+interpreter where the package is made unimportable; the Ray cases run it in-process, without ever starting Ray."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fusionserve.cli.main import main
+from tests.serving_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,3 +104,29 @@ def test_serve_against_a_ray_address_where_nothing_answers_fails_at_once(artifac
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"fusionserve: starting Ray (joining 127.0.0.1:{port})", lines[-1]]  # a step line, then one error line
     assert lines[-1].startswith(f"fusionserve: error: could not join the Ray cluster at 127.0.0.1:{port}: nothing answers there")
+
+
+@pytest.fixture
+def environ_kept():
+    """``serve`` puts the ingress settings in os.environ for Ray's processes to read: give the test process its own back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_serve_when_a_local_ray_cannot_start_fails_in_one_line(artifact_and_input, monkeypatch, capsys, environ_kept):
+    import ray
+
+    def cannot_start(*args, **kwargs):  # unit tests never start Ray: its start-up failure, as Ray raises one
+        raise RuntimeError("Failed to start the GCS server.\nSee the logs in /tmp/ray/session_latest/logs")
+
+    art, _ = artifact_and_input
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # whatever another test left, this one starts Ray
+    monkeypatch.setattr(ray, "init", cannot_start)
+    assert main(["serve", str(art), "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "fusionserve: starting Ray (a local instance)",  # the step line, then one error line
+        "fusionserve: error: could not start a local Ray instance: RuntimeError: Failed to start the GCS server.",
+    ]
