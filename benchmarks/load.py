@@ -2,7 +2,7 @@
 
     python -m benchmarks.load [ARTIFACT] [--ingress haproxy proxy haproxy-default proxy-throughput]
                               [--clients 1 4 16 64] [--seconds 15] [--texts rotten_tomatoes] [--soak SECONDS]
-                              [--grpc-rounds 10]
+                              [--grpc-rounds 10] [--cost-rounds 5] [--cost-seconds 3]
 
 ARTIFACT defaults to the built-in model. For each ingress a fresh ``fusionserve serve`` (Ray reads its settings
 when it starts) gets, after a warm-up, closed-loop clients (each sends its next request when the last one
@@ -15,6 +15,9 @@ requests far past the queue limit (how fast the excess is refused), and the time
 bare uvicorn + FastAPI echo app (the floor of any Python HTTP server here) and the same texts through ONNX
 Runtime in-process. ``--soak`` adds a long run at 16 clients with the memory of every server process at its
 start and end.
+
+Then ``--cost-rounds`` rounds alternate the model in this process as the server runs it (batch 1, no spinning threads)
+and one HTTP client against the idle server: what the server itself adds to a request, read in one run.
 
 Writes benchmarks/results/load.json, load.png and the section in benchmarks/RESULTS.md.
 """
@@ -83,6 +86,38 @@ def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[in
     return out
 
 
+def server_cost(port: int, artifact: Path, task: str, texts: list[str], rounds: int, seconds: float) -> dict:
+    """``rounds`` x (the model in this process as the server runs it, batch 1 without spinning threads; then one HTTP
+    client against the idle server, the same texts; ``seconds`` each, the order alternating per round): the median over
+    rounds of HTTP p50 - in-process p50 is what the server itself adds to one request."""
+    from fusionserve.serving.predictions import TextInput
+    from fusionserve.serving.runtime import OnnxRunner
+
+    runner = OnnxRunner(artifact, device="cpu", spin=False)
+    body = servers.body_maker(task, texts)
+
+    def model_p50() -> float:
+        times, i, stop_at = [], 0, time.perf_counter() + seconds
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            runner.logits(task, [TextInput(texts[i % len(texts)])])
+            times.append((time.perf_counter() - t0) * 1000)
+            i += 1
+        return statistics.median(times)
+
+    model_p50()  # warm-up
+    model, http = [], []
+    for r in range(rounds):
+        for part in ("model", "http") if r % 2 == 0 else ("http", "model"):
+            if part == "model":
+                model.append(round(model_p50(), 2))
+            else:
+                http.append(closed_loop(port, "/v1/classify", body, 1, seconds)["p50_ms"])
+    added = [h - m for h, m in zip(http, model, strict=True)]
+    return {"rounds": rounds, "seconds_per_run": seconds, "model_p50_ms": model, "http_p50_ms": http,
+            "added_ms_median": round(statistics.median(added), 2)}  # fmt: skip
+
+
 def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[str], logs: Path) -> dict:
     """One fresh server with ``ingress``: every client count, the replica's own port, a burst, and Ctrl-C."""
     body = servers.body_maker(task, texts)
@@ -108,6 +143,9 @@ def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[s
                 server.port, grpc_port, body, message, args.grpc_rounds, args.grpc_seconds
             )
             print(f"  {ingress}, gRPC vs HTTP at 1 client: {out['grpc_vs_http']}", file=sys.stderr)
+        if args.cost_rounds:
+            out["server_cost"] = server_cost(server.port, args.artifact, task, texts, args.cost_rounds, args.cost_seconds)
+            print(f"  {ingress}, the server's own cost at 1 client: {out['server_cost']}", file=sys.stderr)
         ports = servers.replica_ports(server.proc.pid) if ingress.startswith("haproxy") else []
         if ports:
             out["replica_port"] = closed_loop(ports[0], "/v1/classify", body, 1, args.seconds)
@@ -167,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", type=float, default=0.0, help="seconds of a soak run at 16 clients (0: none)")
     p.add_argument("--grpc-rounds", type=int, default=10, help="rounds of 1-client HTTP vs gRPC runs per server (0: no gRPC)")
     p.add_argument("--grpc-seconds", type=float, default=3.0, help="seconds of each run in those rounds")
+    p.add_argument(
+        "--cost-rounds", type=int, default=5, help="rounds of in-process (as served) vs 1-client HTTP per server (0: none)"
+    )
+    p.add_argument("--cost-seconds", type=float, default=3.0, help="seconds of each run in those rounds")
     p.add_argument("--render-only", action="store_true", help="redo table and plot from the recorded results/load.json")
     p.add_argument(
         "--soak-only", action="store_true", help="run only the soak (--soak seconds) and add it to the recorded results/load.json"
