@@ -9,7 +9,8 @@ and exported into ~/.cache/fusionserve/bench/minilm/n8-4tasks-art on first use, 
 - In-process (``OnnxRunner.run_rows``, the replica's batch call): a batch of ``--batch`` rows of one task against
   the same rows spread evenly over 4 tasks, random token ids of ``--seq`` tokens, the two alternating round-robin
   (the median over rounds, and the median of per-round ratios). Whether the graph took the mixed batch in one pass
-  (a task id per row) or one pass per task present is recorded.
+  (a task id per row) or one pass per task present is recorded. Then correctness on the same model: each row of the
+  mixed batch against that row run alone for its task (max |diff| of the logits; target 1e-5).
 - HTTP (``fusionserve serve``, haproxy ingress, one replica): ``--clients`` closed-loop clients all on one task
   against the same clients spreading their requests evenly over 4 tasks (one real sentence per request), runs
   alternating ``--http-rounds`` times against the same server; throughput, p50, the mean batch and the mean
@@ -29,12 +30,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from benchmarks import servers
 from benchmarks.httpload import closed_loop
 from benchmarks.report import machine, write_section
+
+if TYPE_CHECKING:
+    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.tokenize import Encoded
 
 HERE = Path(__file__).parent
 TASKS = 4
@@ -57,7 +63,8 @@ def in_process(artifact: Path, tasks: list[str], batch: int, seq: int, rounds: i
 
     runner = OnnxRunner(artifact, threads=threads, device="cpu")
     rng = np.random.default_rng(0)
-    ids = rng.integers(1000, 20000, size=(batch, seq), dtype=np.int64)
+    high = min(20000, runner.artifact.manifest["base_model"].get("vocab_size", 20000))  # a tiny test model's too
+    ids = rng.integers(min(1000, high // 2), high, size=(batch, seq), dtype=np.int64)
     enc = Encoded(ids, np.ones_like(ids), np.zeros_like(ids), [False] * batch)
     variants = {"single": [tasks[0]] * batch, "mixed": [tasks[i % TASKS] for i in range(batch)]}
     for rows in variants.values():  # warm-up
@@ -74,7 +81,26 @@ def in_process(artifact: Path, tasks: list[str], batch: int, seq: int, rounds: i
         "batch": batch, "seq": seq, "rounds": rounds, "one_pass": runner.per_row_tasks,
         "single_ms": round(single, 2), "mixed_ms": round(mixed, 2), "ratio": round(mixed / single, 3),
         "ratio_per_round": round(statistics.median(m / s for s, m in zip(times["single"], times["mixed"], strict=True)), 3),
+        "max_abs_diff_vs_alone": mixed_vs_alone(runner, variants["mixed"], enc),
     }  # fmt: skip
+
+
+def mixed_vs_alone(runner: OnnxRunner, tasks: list[str], enc: Encoded) -> float:
+    """Max |diff| of the logits between each row of the mixed batch and that row run alone for its task."""
+    mixed = runner.run_rows(tasks, enc).logits
+    alone = [runner.run(task, enc.rows([i])).logits[0] for i, task in enumerate(tasks)]
+    return float(max(np.abs(m - a).max() for m, a in zip(mixed, alone, strict=True)))
+
+
+def geometry(manifest: dict) -> str:
+    """The model in a few words: backbone shape, adapters, tasks, precision."""
+    base, tasks = manifest.get("base_model", {}), manifest["tasks"].values()
+    fusions = sum(t["kind"] == "fusion" for t in tasks)
+    return (
+        f"{base.get('architecture', 'bert')}, {base.get('layers')} layers, hidden {base.get('hidden_size')}, "
+        f"{base.get('attention_heads')} heads; {len(manifest['adapters'])} adapters, {fusions} fusion tasks of "
+        f"{len(tasks)}; {manifest['precision']}"
+    )
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -126,7 +152,7 @@ def markdown(res: dict) -> str:
         f"Command: `{res['command']}`",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores; {m['python']}, onnxruntime {m['onnxruntime']}; {m['date']}. "
-        f"Artifact `{res['artifact']}`, tasks {', '.join(res['tasks'])}.",
+        f"Artifact `{res['artifact']}` ({res['model']}), tasks {', '.join(res['tasks'])}.",
         "",
         f"In-process, batch {ip['batch']} x {ip['seq']} tokens, {ip['rounds']} alternating rounds "
         f"({'one pass: a task id per row' if ip['one_pass'] else 'one pass per task present: the graph takes one task per call'}):",
@@ -138,6 +164,9 @@ def markdown(res: dict) -> str:
         "",
         f"Mixed / single: {ip['ratio']} (median of per-round ratios {ip['ratio_per_round']}; target <= 1.05: "
         f"{'met' if ip['ratio_per_round'] <= 1.05 else 'NOT met'}).",
+        "",
+        f"Each row of the mixed batch against the same row run alone for its task: max |diff| of the logits "
+        f"{ip['max_abs_diff_vs_alone']:.2g} (target <= 1e-5: {'met' if ip['max_abs_diff_vs_alone'] <= 1e-5 else 'NOT met'}).",
         "",
         f"HTTP, {h['clients']} closed-loop clients, {h['seconds']} s per run, {h['rounds']} alternating runs each:",
         "",
@@ -178,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     from fusionserve.serving.artifact import load_artifact
 
     artifact = args.artifact or default_artifact()
-    tasks = [n for n, t in load_artifact(artifact).tasks.items() if t.kind == "fusion"][:TASKS]
+    loaded = load_artifact(artifact)
+    tasks = [n for n, t in loaded.tasks.items() if t.kind == "fusion"][:TASKS]
     if len(tasks) < TASKS:
         p.error(f"{artifact} has {len(tasks)} fusion task(s); this benchmark needs {TASKS}")
     res: dict = {
         "command": "python -m benchmarks.mixed " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine(), "artifact": str(artifact), "tasks": tasks,
+        "machine": machine(), "artifact": str(artifact), "model": geometry(loaded.manifest), "tasks": tasks,
     }  # fmt: skip
     res["in_process"] = in_process(artifact, tasks, args.batch, args.seq, args.rounds, args.threads)
     print(f"mixed: in-process {res['in_process']}", file=sys.stderr)
@@ -193,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed.json").write_text(json.dumps(res, indent=2))
     if not args.no_record:
-        write_section(HERE / "RESULTS.md", "mixed", "Mixed-task batches", text)
+        write_section(HERE / "RESULTS.md", "mixed", f"Mixed-task batches ({res['model']})", text)
     return 0
 
 

@@ -212,8 +212,18 @@ def test_a_batch_mixing_tasks_answers_each_row_as_its_task_alone(runner):
 
 
 def test_one_request_for_several_tasks_tokenizes_once_and_answers_each(runner):
-    sched = Scheduler(runner, BatchLimits(max_batch_size=16))
+    batches: list[BatchStats] = []
+    sched = Scheduler(runner, BatchLimits(max_batch_size=16), batches.append)
     result = asyncio.run(sched.submit(["rte", "alpha_only", "head_only"], TEXTS[:3]))
     assert list(result.tasks) == ["rte", "alpha_only", "head_only"] and len(result.truncated) == 3
+    assert result.batches == 1 and len(batches) == 1 and batches[0].inputs == 9  # every row in one model call
+    assert {t: s.inputs for t, s in batches[0].tasks.items()} == {"rte": 3, "alpha_only": 3, "head_only": 3}
+    enc = runner.encoder.encode(TEXTS[:3])
     for task, answer in result.tasks.items():
         np.testing.assert_allclose(answer.logits, runner.logits(task, TEXTS[:3])[0], atol=1e-5, err_msg=task)
+        if runner.task(task).kind == "fusion":  # (inputs, layers, adapters): each input's token means, as run alone
+            ref = runner.run(task, enc, return_fusion_activations=True).fusion_activations
+            mask = enc.attention_mask[:, None, :, None]
+            np.testing.assert_allclose(answer.activations, (ref * mask).sum(2) / mask.sum(2), atol=1e-5)
+        else:
+            assert answer.activations is None, task

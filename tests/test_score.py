@@ -252,3 +252,21 @@ def test_several_tasks_add_their_columns_in_one_pass(artifact, runner, tmp_path,
         score_file(_cfg(artifact, src, tmp_path / f"again.{fmt}", task=("nli", "nli")))
     with pytest.raises(InputError, match="--activations: task 'alpha_only' has no fusion layer"):
         score_file(_cfg(artifact, src, tmp_path / f"acts.{fmt}", task=("nli", "alpha_only"), activations=True))
+
+
+def test_repeated_task_option_adds_each_tasks_columns_as_its_own_run(artifact, tmp_path, capsys):
+    src = _write(tmp_path / "in.jsonl", [{"id": i, "text": t} for i, t in enumerate(_texts(9))])
+    argv = ["--input", src, "--all-scores", "--activations", "--batch-size", 4, "--prefix", "p_"]
+    code, out, _ = _cli(capsys, "score", artifact, "--task", "rte", "--task", "nli", "--output", tmp_path / "both.jsonl", *argv)
+    assert code == 0 and "scored 9 of 9 rows" in out
+    got = _read(tmp_path / "both.jsonl")
+    columns = ["id", "text"]
+    for task in ("rte", "nli"):
+        assert _cli(capsys, "score", artifact, "--task", task, "--output", tmp_path / f"{task}.jsonl", *argv)[0] == 0
+        alone = _read(tmp_path / f"{task}.jsonl")
+        added = list(alone[0])[2:]  # p_label, p_score, p_score_<label>..., p_activation_<adapter>...
+        assert added[:2] == ["p_label", "p_score"] and len(added) > 4
+        columns += [f"p_{task}_{name.removeprefix('p_')}" for name in added]  # the prefix, then the task
+        for g, a in zip(got, alone, strict=True):  # one pass over the file: each task's values as in its own run
+            assert {name: g[f"p_{task}_{name.removeprefix('p_')}"] for name in added} == {name: a[name] for name in added}
+    assert [list(r) for r in got] == [columns] * 9

@@ -160,8 +160,13 @@ def test_tasks_health_and_docs(server):
     assert call(url + "/readyz") == (200, {"status": "ready"})
     status, spec = call(url + "/openapi.json")
     assert status == 200
-    schema = spec["paths"]["/v1/classify"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert "inputs" in schema["properties"] and "return_fusion_activations" in schema["properties"]
+    op = spec["paths"]["/v1/classify"]["post"]
+    schema = op["requestBody"]["content"]["application/json"]["schema"]
+    assert {"task", "tasks", "inputs", "return_fusion_activations"} <= set(schema["properties"])
+    answers = op["responses"]["200"]["content"]["application/json"]["schema"]["anyOf"]  # one task, or several
+    assert [a["$ref"].rsplit("/", 1)[1] for a in answers] == ["ClassifyResponse", "MultiTaskResponse"]
+    several = spec["components"]["schemas"]["MultiTaskResponse"]
+    assert several["required"] == ["results"] and several["properties"]["results"]["items"]["$ref"].endswith("/TaskAnswer")
 
 
 def test_one_request_for_several_tasks_answers_each_as_alone(server, local):
@@ -183,12 +188,24 @@ def test_one_request_for_several_tasks_answers_each_as_alone(server, local):
     assert many[0] == 413 and "5 inputs x 2 tasks = 10" in many[1]["error"]["message"]
 
 
+def _batch_tasks(url: str) -> tuple[float, float]:
+    """fusionserve_batch_tasks so far: (different tasks summed over batches, batches)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        family = next(f for f in text_string_to_metric_families(resp.read().decode()) if f.name == "fusionserve_batch_tasks")
+    values = {s.name: s.value for s in family.samples}
+    return values["fusionserve_batch_tasks_sum"], values["fusionserve_batch_tasks_count"]
+
+
 def test_concurrent_requests_over_several_tasks_each_get_their_solo_answer(server, local):
     work = [
         (task, SENTENCES[i % len(SENTENCES)]) for i, task in enumerate(["rte", "nli", "custom", "alpha_only", "head_only"] * 6)
     ]
+    tasks_before, batches_before = _batch_tasks(server[0])
     with ThreadPoolExecutor(6) as pool:  # within what the server holds (--max-ongoing 4 + --max-queued 4)
         answers = list(pool.map(lambda tw: call(server[0] + "/v1/classify", {"task": tw[0], "inputs": [tw[1]]}), work))
+    tasks_after, batches_after = _batch_tasks(server[0])
+    # one-task requests of different tasks shared batches (--batch-wait-ms 100 lets the next arrival join)
+    assert tasks_after - tasks_before > batches_after - batches_before > 0
     served = 0
     for (task, text), (status, body) in zip(work, answers, strict=True):
         assert status in (200, 503), body
