@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.render_only:
         result = json.loads((args.out / "load.json").read_text())
-        record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), True)
+        write_md = not args.no_record
+        record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), write_md)
         return 0
     from fusionserve.serving.artifact import load_artifact
 

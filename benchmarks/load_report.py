@@ -131,8 +131,10 @@ def _soak(s: dict[str, Any]) -> list[str]:
         "| process | start (MB) | end (MB) |",
         "|---|---:|---:|",
     ]
+    # by pid: Ray retitles a process with the task it runs (ServeController -> ServeController.listen_for_change)
+    end_by_pid = {name.rsplit("[", 1)[-1]: mb for name, mb in s["rss_end_mb"].items()}
     for name, mb in sorted(s["rss_start_mb"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {name} | {mb} | {s['rss_end_mb'].get(name, 'gone')} |")
+        lines.append(f"| {name} | {mb} | {end_by_pid.get(name.rsplit('[', 1)[-1], 'gone')} |")
     return lines
 
 
