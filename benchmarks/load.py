@@ -158,6 +158,21 @@ def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[s
     return out
 
 
+def refusal_floor(args: argparse.Namespace, task: str, texts: list[str], logs: Path) -> dict:
+    """The same burst against a server of the first ingress whose replica admits one waiting request
+    (``--max-queued 1``): nearly every request takes the 503 path while the model is almost idle, so the slowest 503
+    is what the server's refusal path alone costs for a burst of this size on this machine."""
+    server = servers.start_fusionserve(
+        args.artifact, args.port, args.ingress[0], logs, args.replicas, args.device, args.max_batch_size, args.threads,
+        max_queued=1,
+    )  # fmt: skip
+    try:
+        closed_loop(server.port, "/v1/classify", servers.body_maker(task, texts), 1, 2.0)  # warm-up
+        return {"ingress": args.ingress[0]} | burst(server.port, "/v1/classify", {"task": task, "inputs": texts[:8]}, args.burst)
+    finally:
+        server.stop()
+
+
 def soak(args: argparse.Namespace, task: str, texts: list[str], logs: Path) -> dict:
     """``--soak`` seconds at 16 clients on the first ingress, a row per minute, and every server process's memory."""
     body = servers.body_maker(task, texts)
@@ -202,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--burst", type=int, default=300, help="simultaneous requests of the overload burst")
+    p.add_argument(
+        "--no-burst-floor", dest="burst_floor", action="store_false",
+        help="skip the burst against a server admitting one waiting request (the refusal path's own cost)",
+    )  # fmt: skip
     p.add_argument("--soak", type=float, default=0.0, help="seconds of a soak run at 16 clients (0: none)")
     p.add_argument("--grpc-rounds", type=int, default=10, help="rounds of 1-client HTTP vs gRPC runs per server (0: no gRPC)")
     p.add_argument("--grpc-seconds", type=float, default=3.0, help="seconds of each run in those rounds")
@@ -259,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         echo.stop()
     print(f"load: echo {result['echo']}", file=sys.stderr)
     result["ingress"] = {ing: run_ingress(args, ing, task, texts, logs) for ing in args.ingress}
+    if args.burst_floor:
+        result["refusal_floor"] = refusal_floor(args, task, texts, logs)
+        print(f"load: the burst against a replica refusing nearly all: {result['refusal_floor']}", file=sys.stderr)
     result["in_process"] = in_process(args.artifact, task, texts, [1, 4, 8, 16, 32], min(args.seconds, 10))
     result["in_process_served"] = in_process(args.artifact, task, texts, [1, 8], min(args.seconds, 10), spin=False)
     print(f"load: in-process {result['in_process']}; as served (no spinning) {result['in_process_served']}", file=sys.stderr)

@@ -85,6 +85,13 @@ def _targets(r: dict[str, Any], name: str) -> list[str]:
             f"  The same burst against the bare echo app (no model, every request answered): slowest answer {e['max_any_ms']} ms "
             "(what fresh connections cost the client and this machine)."
         )
+    if "refusal_floor" in r:
+        f = r["refusal_floor"]
+        out.append(
+            f"  The same burst against a server of `{f['ingress']}` that admits one waiting request (the model almost idle, "
+            f"nearly every request refused): {f['statuses']}, 503s in {f['p50_503_ms']} ms median, slowest {f['max_503_ms']} ms "
+            "(the refusal path's own cost for this burst on this machine)."
+        )
     return out
 
 

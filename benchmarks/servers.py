@@ -23,8 +23,10 @@ from pathlib import Path
 from fusionserve.serving.server import ServerConfig, serve_forever
 threads = int(sys.argv[7]) or None
 grpc_port = int(sys.argv[8]) or None
+queued = {"max_queued": int(sys.argv[9])} if int(sys.argv[9]) else {}
 serve_forever(ServerConfig(Path(sys.argv[1]), port=int(sys.argv[2]), ingress=sys.argv[3], replicas=int(sys.argv[4]),
-                           device=sys.argv[5], max_batch_size=int(sys.argv[6]), threads=threads, grpc_port=grpc_port))
+                           device=sys.argv[5], max_batch_size=int(sys.argv[6]), threads=threads, grpc_port=grpc_port,
+                           **queued))
 """
 
 
@@ -76,12 +78,14 @@ def start_fusionserve(
     max_batch_size: int = 32,
     threads: int | None = None,
     grpc_port: int | None = None,
+    max_queued: int | None = None,
 ) -> Server:
     """``threads``: ONNX Runtime threads per replica (None: the server's default, CPUs / replicas); ``grpc_port``:
-    Serve's gRPC ingress there too."""
-    log = logs / f"serve-{ingress}.log"
+    Serve's gRPC ingress there too; ``max_queued``: the replica's queue limit (None: the server's default)."""
+    log = logs / f"serve-{ingress}{'-q' + str(max_queued) if max_queued else ''}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    args = [str(artifact), str(port), ingress, str(replicas), device, str(max_batch_size), str(threads or 0), str(grpc_port or 0)]
+    args = [str(artifact), str(port), ingress, str(replicas), device, str(max_batch_size), str(threads or 0), str(grpc_port or 0),
+            str(max_queued or 0)]  # fmt: skip
     with log.open("w") as fh:
         proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     return Server(ingress, proc, port, log, _wait(proc, port, "/v1/tasks", log))
