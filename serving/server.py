@@ -28,6 +28,7 @@ __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "s
 APP_NAME = "fusionserve"
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
 _ingress_dir: str | None = None  # HAProxy's config, socket and state files
+_deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
 
 
 @dataclass(frozen=True, init=False)
@@ -76,7 +77,7 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     application; returns the base URL. ``say`` gets one line per step. Raises FusionServeError (port taken, an
     application already deployed on the cluster without ``cfg.replace``, an unusable artifact or device, a loopback
     --host on a cluster of several machines) or ClusterError (Ray does not start)."""
-    global _metrics_dir, _ingress_dir
+    global _metrics_dir, _ingress_dir, _deployed
     if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
     # a missing artifact or CUDA provider, or a taken port, fails before Ray starts; how many GPUs there are, Ray tells
@@ -107,6 +108,7 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     what = f"{opts.min_replicas}-{opts.max_replicas} (autoscaling)" if opts.max_replicas else str(opts.replicas)
     say(f"deploying {what} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, grpc_options=grpc_options(cfg.grpc_port))
+    _deployed = True  # from here on the application is this process's, even if serve.run fails halfway
     serve.run(application, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
     _wait_routed(url)
@@ -183,20 +185,24 @@ def _wait_all_routed(folder: Path, expected: int, say: Callable[[str], object], 
 
 
 def stop() -> None:
-    """Take the application down (its replicas drain what they hold), leave Ray (shutting it down when this process
-    started it; a joined cluster keeps running), and remove what this server left: HAProxy, which outlives Ray's
-    shutdown, and the metric and ingress folders. Deleting the one application instead of shutting Serve down
-    leaves another team's applications on a shared cluster alone (and spares the controller's own shutdown task,
-    whose retry notice reads like a failure)."""
+    """Take the application down if this process deployed it (its replicas drain what they hold), leave Ray
+    (shutting it down when this process started it; a joined cluster keeps running), and remove what this server
+    left: HAProxy, which outlives Ray's shutdown, and the metric and ingress folders. Deleting the one application
+    instead of shutting Serve down leaves another team's applications on a shared cluster alone (and spares the
+    controller's own shutdown task, whose retry notice reads like a failure); a server refused before it deployed
+    (the cluster already runs fusionserve) leaves the application it refused to replace alone."""
+    global _deployed
     import ray
     from ray import serve
 
     if ray.is_initialized():
         try:
-            serve.delete(APP_NAME)
+            if _deployed:
+                serve.delete(APP_NAME)
         except Exception as exc:  # Serve never came up, or is gone already: Ray still has to go
             print(f"fusionserve: could not delete the application: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:
+            _deployed = False
             ray.shutdown()
     if _ingress_dir:
         reap(Path(_ingress_dir))

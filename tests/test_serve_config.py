@@ -1,11 +1,13 @@
 """Stock Ray tools: a config written by ``fusionserve serve --print-config`` deployed with Ray's own ``serve run``
 onto a cluster started with ``ray start --head`` (and the ingress settings the config's header names). Then, against
 that deployment: HTTP and gRPC give the same answers and refuse the same requests for the same reasons (gRPC status
-codes), and Serve's autoscaling adds a replica under load and removes it when the load is gone."""
+codes), Serve's autoscaling adds a replica under load and removes it when the load is gone, and a `fusionserve serve`
+joining the cluster refuses to replace that application unless asked and leaves it serving."""
 
 import io
 import json
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -36,10 +38,15 @@ METADATA = (("application", "fusionserve"),)
 
 
 @pytest.fixture(scope="module")
-def deployed(built_st, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve-config")
-    art = folder / "art"
-    export_artifact(built_st.spec, art, max_seq_len=32, progress=False)
+def art(built_st, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve-config") / "art"
+    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deployed(art):
+    folder = art.parent
     head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port())
     try:
         out = io.StringIO()
@@ -206,3 +213,19 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(deployed):
     assert len(seen) == 2, seen  # both replicas answered
     down_s, _ = _wait_replicas(head.address, 1, 150)
     print(f"autoscaling: 1 -> 2 replicas {up_s:.0f} s into the load, back to 1 {down_s:.0f} s after it stopped; answers {seen}")
+
+
+def test_fusionserve_serve_on_a_cluster_running_fusionserve_refuses_and_leaves_it_serving(deployed, art):
+    """The cluster already runs a fusionserve application (deployed above by Serve's own `serve run`): `fusionserve
+    serve` joining it without --replace exits 2 and says why, and the application it refused to replace still
+    answers (the refused server used to delete it while cleaning up after the refusal)."""
+    url, _, head = deployed
+    env = head.env | {"RAY_ADDRESS": head.address}
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(art), "--port", str(free_port()), "--threads", "1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"the Ray cluster at {head.address} already runs a 'fusionserve' application" in done.stderr, done.stderr
+    assert "pass --replace to replace it" in done.stderr
+    status, answer = call(url + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[0]]})
+    assert status == 200, answer
+    assert ch.replica_counts(head.address).get("RUNNING", 0) >= 1

@@ -21,6 +21,7 @@ from tests.serving_helpers import alive, call, descendants, haproxy_config, laun
 pytestmark = pytest.mark.slow
 
 BODY_TIMEOUT_S = 2
+STOP_BOUND_S = 30  # SIGTERM to no process left (the target is 10 s; room for a loaded machine)
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +173,34 @@ def test_a_second_server_on_a_taken_port_is_refused_before_anything_starts(serve
     assert "starting Ray" not in done.stderr
 
 
+def test_start_up_says_one_line_per_step_and_nothing_else(server):
+    """Until it serves, the server prints only its own steps ("fusionserve: ..."): no Ray or Serve notice."""
+    lines = server.log.read_text().splitlines()
+    serving = next(i for i, line in enumerate(lines) if line.startswith("fusionserve: serving "))
+    assert serving >= 2 and all(line.startswith("fusionserve: ") for line in lines[:serving]), lines[: serving + 1]
+
+
 def test_sigterm_stops_every_process_it_started_and_exits_0(server):
+    """The issue's target is 10 s (once measured at 45 s); the bound asserted is 30 s, room for a loaded CI machine,
+    and the time taken is printed."""
     before = descendants(server.proc.pid)
     assert len(before) >= 4  # Ray's processes, the replica, HAProxy
     config = haproxy_config(server.proc.pid)
     # HAProxy's files, its metrics socket included, are in the server's own folder (Serve's default for that socket
     # is /tmp/haproxy-serve/<node id>/, shared and never removed), and go with it
     assert not (Path("/tmp/haproxy-serve") / config.parent.name).exists()
+    sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(60) == 0, server.log.read_text()[-2000:]
-    deadline = time.time() + 15
-    while alive(before) and time.time() < deadline:
-        time.sleep(0.5)
+    try:
+        code = server.proc.wait(STOP_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {STOP_BOUND_S} s after SIGTERM:\n{server.log.read_text()[-2000:]}")
+    exited_s = time.monotonic() - sent
+    assert code == 0, server.log.read_text()[-2000:]
+    while alive(before) and time.monotonic() - sent < STOP_BOUND_S:
+        time.sleep(0.1)
+    gone_s = time.monotonic() - sent
+    print(f"\nSIGTERM: exited 0 after {exited_s:.1f} s, every process it started gone after {gone_s:.1f} s")
     assert not alive(before), [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in alive(before)]
     text = server.log.read_text()
     assert "fusionserve: shutting down" in text and "SIGTERM received" not in text and "Traceback" not in text

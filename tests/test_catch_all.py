@@ -1,0 +1,79 @@
+"""The boundary's catch-all, without Ray: an error of ours (not a refusal of the caller's request) becomes a JSON 500
+of type ``internal`` whose message carries an id, and the same id is in the server log with the traceback, so an
+operator can find what a client reports. Both places are checked: the classify core (``Classifier``, behind HTTP and
+gRPC) and the HTTP app's exception handler for every other route."""
+
+import asyncio
+import logging
+import re
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from fusionserve.serving.artifact import load_artifact
+from fusionserve.serving.batching import BatchLimits, Scheduler
+from fusionserve.serving.classify import Classifier
+from fusionserve.serving.metrics import Metrics
+from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.schemas import HTTPError, Limits
+
+LOGGER = "ray.serve.fusionserve"
+ERROR_ID = re.compile(r"unexpected server error \(id ([0-9a-f]{12}), also in the server log\)")
+
+
+@pytest.fixture
+def logged(caplog) -> Iterator[pytest.LogCaptureFixture]:
+    """The records of the replica's logger. caplog's handler goes on that logger itself, which stops propagating
+    meanwhile (each record caught once): importing Ray stops the 'ray' loggers from propagating to the root logger,
+    where caplog listens."""
+    logger = logging.getLogger(LOGGER)
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.ERROR, logger=LOGGER):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
+
+
+def _the_id(message: str, logged: pytest.LogCaptureFixture, where: str) -> None:
+    """``message`` names an id; exactly one error record names the same id and ``where``, with the exception."""
+    match = ERROR_ID.search(message)
+    assert match, message
+    records = logged.records  # this phase's (a fixture's own list is replaced when the test starts)
+    mine = [r for r in records if r.name == LOGGER and match.group(1) in r.getMessage()]
+    assert len(mine) == 1, [r.getMessage() for r in records]
+    assert mine[0].levelno == logging.ERROR and where in mine[0].getMessage()
+    assert mine[0].exc_info is not None and mine[0].exc_info[0] is RuntimeError
+
+
+def test_an_error_in_the_classify_path_is_a_500_with_an_id_that_is_in_the_log(artifacts, logged):
+    runner = OnnxRunner(artifacts.fp32, threads=1, device="cpu")
+    stats = Metrics()
+    core = Classifier(load_artifact(artifacts.fp32), runner.encoder, Scheduler(runner, BatchLimits()), Limits(), stats)
+
+    async def read():
+        raise RuntimeError("a bug while reading the request")
+
+    outcome = asyncio.run(core(read, "POST /v1/classify"))
+    assert isinstance(outcome, HTTPError) and (outcome.status, outcome.reason) == (500, "internal"), outcome
+    assert "a bug while reading" not in outcome.message  # the details stay in the log
+    _the_id(outcome.message, logged, "POST /v1/classify")
+    second = asyncio.run(core(read, "POST /v1/classify"))
+    assert isinstance(second, HTTPError) and ERROR_ID.search(second.message).group(1) != ERROR_ID.search(outcome.message).group(1)
+
+
+def test_an_error_in_any_other_route_is_a_json_500_with_an_id_that_is_in_the_log(logged):
+    from starlette.requests import Request
+
+    from fusionserve.serving import app as http_app  # imports Ray (not started) and FastAPI
+
+    assert http_app.app.exception_handlers[Exception] is http_app._unexpected
+    request = Request({"type": "http", "method": "GET", "path": "/v1/tasks", "headers": [], "query_string": b""})
+    response = asyncio.run(http_app._unexpected(request, RuntimeError("a bug in a route")))
+    body = orjson.loads(response.body)
+    assert response.status_code == 500 and response.media_type == "application/json"
+    assert set(body) == {"error"} and body["error"]["type"] == "internal", body
+    _the_id(body["error"]["message"], logged, "GET /v1/tasks")
