@@ -190,8 +190,10 @@ def _check_config(folder: Path, cfg: object) -> Architecture:
     position = getattr(cfg, "position_embedding_type", "absolute")
     if position != "absolute":
         raise CheckpointError(f"{path}: field 'position_embedding_type' = {position!r} is not supported; only 'absolute'")
-    if getattr(cfg, "is_decoder", False) or getattr(cfg, "add_cross_attention", False):
-        raise CheckpointError(f"{path}: field 'is_decoder' / 'add_cross_attention' is set; only encoders are supported")
+    for field in ("is_decoder", "add_cross_attention"):
+        value = getattr(cfg, field, False)
+        if value:
+            raise CheckpointError(f"{path}: field '{field}' = {value!r} is not supported; only encoders ({field} false)")
     return ARCHITECTURES[model_type]
 
 

@@ -154,12 +154,17 @@ class GateReport:
         }
 
 
-def quantize_graph(src: Path, dst: Path, options: Int8Options = DEFAULT_OPTIONS) -> dict[str, Any]:
+def quantize_graph(
+    src: Path, dst: Path, options: Int8Options = DEFAULT_OPTIONS, backbone: tuple[str, int] | None = None
+) -> dict[str, Any]:
     """Quantize the optimized fp32 graph ``src`` into ``dst`` (dynamic int8, see the module docstring) and return
-    what was quantized and what stayed floating point, for the manifest."""
+    what was quantized and what stayed floating point, for the manifest. ``backbone``: (architecture, layers), to
+    check that every layer's GEMMs were found where ``options`` leaves some in fp32 (see ``check_roles``)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     before = onnx.load(str(src), load_external_data=False)
+    if backbone is not None and (options.fp32_roles or options.fp32_layers):
+        check_roles(backbone_roles(before), *backbone)
     nodes = quantizable(before, options)
     if not nodes:  # an empty list would mean "every node" to the quantizer
         raise ExportError(f"{src}: no MatMul with a constant weight and no Attention to quantize")
@@ -232,6 +237,20 @@ def backbone_roles(graph: onnx.ModelProto) -> dict[str, tuple[int, str]]:
             out[n.name] = (layer, ROLES[seen])
             seen += 1
     return out
+
+
+def check_roles(roles: dict[str, tuple[int, str]], arch: str, layers: int) -> None:
+    """Raises ExportError unless ``roles`` (``backbone_roles``) names all of ROLES in each of the ``layers`` layers: a
+    layer whose attention did not fuse has no Attention to start from, and its GEMMs would be taken for another
+    layer's or for none, leaving in fp32 other GEMMs than the options name."""
+    found = Counter(layer for layer, _ in roles.values())
+    whole = sum(found[i] == len(ROLES) for i in range(layers))
+    if whole != layers or len(found) != layers:
+        raise ExportError(
+            f"int8: the {arch} graph has a fused Attention followed by its three GEMMs in {whole} of its {layers} layers "
+            "(ONNX Runtime did not fuse every attention: see the export's 'did not fuse' warning), so the backbone "
+            "GEMMs to leave in fp32 cannot be found; allowed: --int8-fp32 none (quantize every GEMM)"
+        )
 
 
 def _backbone_gemm(node: onnx.NodeProto, weights: set[str]) -> bool:
@@ -341,7 +360,8 @@ def int8_graph(
     work: Path, fp32: object, model: FusionModel, max_seq_len: int, options: Int8Options, progress: bool
 ) -> tuple[Any, dict[str, Any]]:
     """Quantize ``work``/model.onnx (the validated fp32 graph, whose session is ``fp32``) in place and gate it;
-    (int8 session, the manifest's 'int8' record). Raises Int8GateError, leaving the fp32 graph in place."""
+    (int8 session, the manifest's 'int8' record). Raises Int8GateError, leaving the fp32 graph in place, or
+    ExportError where the backbone GEMMs ``options`` leaves in fp32 cannot be found (``check_roles``)."""
     from tqdm import tqdm
 
     from fusionserve.serving.artifact import MODEL_FILE
@@ -350,7 +370,8 @@ def int8_graph(
     from .validate import count_cases
 
     src, dst = work / MODEL_FILE, work / "int8.onnx"
-    record: dict[str, Any] = {"quantization": quantize_graph(src, dst, options)}
+    backbone = (model.backbone.arch.name, model.backbone.n_layers)
+    record: dict[str, Any] = {"quantization": quantize_graph(src, dst, options, backbone)}
     session = make_session(dst, device="cpu")
     with tqdm(total=count_cases(model, max_seq_len), desc="int8 gate", unit="case", disable=not progress, leave=False) as bar:
         record["gate"] = check_int8(session, fp32, model, max_seq_len, options.gate, bar.update).as_dict()

@@ -1,7 +1,8 @@
 """Every backbone x adapter architecture through `fusionserve export`: the fused ONNX Runtime kernels its architecture
 allows, the parity gate, a manifest naming the backbone and the graph's own inputs, and the serving runtime (the
 artifact's tokenizer.json and model.onnx, no torch) giving AdapterHub's logits on text pairs with padding; fp16 for
-every backbone; the command line on a Houlsby RoBERTa (inspect, predict, calibrate, prune, score)."""
+every backbone; the command line on every backbone (inspect, predict, score) and on a Houlsby RoBERTa (calibrate,
+prune). int8: test_backbones_int8.py; the serving batching path: test_backbones_serving.py."""
 
 import json
 
@@ -120,3 +121,35 @@ def test_command_line_on_a_houlsby_roberta(arch_models, tmp_path, capsys):
     code, _, err = _cli(capsys, "score", pruned, "--task", "dyn", "--input", src, "--output", dst)
     assert code == 0, err
     assert len(dst.read_text().splitlines()) == len(rows)
+
+
+def test_command_line_on_every_backbone(arch_built, arch_exported, tmp_path, capsys):
+    """inspect (spec and artifact), predict (spec and artifact, a text pair) and score (a file of pairs) on each
+    backbone x adapter architecture give its description and AdapterHub's answers."""
+    from fusionserve.serving.predictions import softmax
+
+    arch, art = arch_built.arch, arch_exported.folder
+    houlsby = arch_built.adapter_config == "double_seq_bn"
+    code, out, _ = _cli(capsys, "inspect", arch_built.spec)
+    assert code == 0 and f"{arch}, 3 layers" in out and ("after attention and FFN" in out) == houlsby
+    code, out, _ = _cli(capsys, "inspect", art)
+    assert code == 0 and f"base model  {arch}, 3 layers" in out and "fused ops   all fused" in out
+
+    text, pair = PAIRS[2]
+    ref = _reference(arch_built, "stat", [TextInput(text, pair)])[0]
+    for model in (arch_built.spec, art):  # the PyTorch model, then the ONNX artifact
+        code, out, err = _cli(capsys, "predict", model, "--task", "stat", "--text", text, "--text-pair", pair)
+        assert code == 0, err
+        got = json.loads(out)
+        torch.testing.assert_close(torch.tensor(got["logits"]), torch.from_numpy(ref), atol=TOL, rtol=0, msg=str(model))
+        assert got["label"] == TASKS["stat"][3][int(ref.argmax())]
+
+    src, dst = tmp_path / "pairs.jsonl", tmp_path / "scored.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "a": a, "b": b}) + "\n" for i, (a, b) in enumerate(PAIRS)))
+    argv = ["--task", "dyn", "--input", src, "--output", dst, "--text-field", "a", "--pair-field", "b", "--all-scores"]
+    code, _, err = _cli(capsys, "score", art, *argv)
+    assert code == 0, err
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    want = softmax(_reference(arch_built, "dyn", [TextInput(a, b) for a, b in PAIRS]).astype(np.float64))
+    got = np.array([[r[f"score_{label}"] for label in TASKS["dyn"][3]] for r in rows])
+    assert [r["id"] for r in rows] == list(range(len(PAIRS))) and np.abs(got - want).max() <= 1e-5  # 6 decimals written

@@ -273,3 +273,17 @@ def test_base_model_of_an_unsupported_architecture(root):
     supported = "supported: bert, roberta, xlm-roberta, distilbert"
     with pytest.raises(CheckpointError, match=_all_of(root / "base/config.json", "'model_type' = 'gpt2'", supported)):
         _build(root)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("position_embedding_type", "relative_key", "only 'absolute'"),
+        ("is_decoder", True, "only encoders (is_decoder false)"),
+        ("add_cross_attention", True, "only encoders (add_cross_attention false)"),
+    ],
+)
+def test_base_model_config_refused_with_file_field_value_and_what_is_allowed(root, field, value, allowed):
+    _edit_json(root / "base/config.json", lambda d: d.update({field: value}))
+    with pytest.raises(CheckpointError, match=_all_of(root / "base/config.json", f"field '{field}' = {value!r}", allowed)):
+        _build(root)

@@ -14,6 +14,7 @@ from fusionserve.export.fusion import AdapterLayerBlock, PlainBlock, fold_adapte
 from fusionserve.export.nonlinearity import ACTIVATIONS
 from fusionserve.export.spec import load_spec
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
+from tests.backbone_models import ARCHS
 from tests.reference import plain_adapter, plain_fusion
 
 HIDDEN = 32
@@ -304,7 +305,7 @@ def test_forward_changes_no_state(built_st, model):
     assert all(torch.equal(batch[k], inputs_before[k]) for k in inputs_before)  # inputs are not edited in place
 
 
-@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_attention_side_block_of_a_houlsby_model_equals_plain(arch_models, arch):
     """At the attention-side site of a real model (AdapterHub's Houlsby adapters and fusion, as saved): the block fed
     the attention projection, its bias, the layer input and the attention LayerNorm gives the plain equations on
