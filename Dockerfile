@@ -17,7 +17,7 @@
 #   TORCH_INDEX_URL  where the export stage gets torch==2.13.0; it must be a CPU wheel (checked). Empty: the pip
 #                    configuration the build sees (the local build mounts the host's, which has the CPU wheel)
 #   SPEC             a spec file inside the build context (default: the built-in model)
-#   PRECISION        fp32 | fp16 (default fp16 for gpu, fp32 for cpu)
+#   PRECISION        fp32 | fp16 | int8 (default fp16 for gpu, fp32 for cpu; int8: CPU only, off by default, see README)
 #   MAX_SEQ_LEN      default 128, the built-in model's; empty: the tokenizer's limit
 #   PARITY_GRID      full (default: every task on the whole shape grid) | quick (see `fusionserve export --help`)
 #   ONNXRUNTIME_GPU  the onnxruntime-gpu release of the gpu variant; its [cuda,cudnn] extras bring the CUDA and

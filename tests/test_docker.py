@@ -79,3 +79,16 @@ def test_the_hosts_pip_configuration_goes_into_the_build_with_the_paths_it_names
     conf = script.pip_conf_text(sections)
     assert f"[global]\nextra-index-url = file://{index} https://example.invalid/simple\n" in conf
     assert f"[install]\ncert = {cert}\n" in conf
+
+
+def test_the_build_context_leaves_out_everything_git_ignores():
+    """`COPY . /src` takes the whole context: what git ignores (venvs, caches, local builds, exported artifacts) must
+    stay out of it too, or a checkout with an exported artifact or a wheel build sends it all into the image."""
+    root = Path(__file__).resolve().parent.parent
+
+    def patterns(name: str) -> set[str]:
+        lines = (root / name).read_text().splitlines()
+        return {ln.strip().removeprefix("**/").strip("/") for ln in lines if ln.strip() and not ln.startswith("#")}
+
+    assert "COPY . /src" in (root / "Dockerfile").read_text()
+    assert patterns(".gitignore") <= patterns(".dockerignore"), patterns(".gitignore") - patterns(".dockerignore")
