@@ -17,9 +17,12 @@ from ray.serve.schema import ServeDeploySchema
 from fusionserve.cli.main import main
 from fusionserve.errors import FusionServeError
 from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving.artifact import MANIFEST, sha256
+from fusionserve.serving.app import FusionServe, _check_identity
+from fusionserve.serving.artifact import MANIFEST, ArtifactError, sha256
+from fusionserve.serving.batching import BatchLimits
 from fusionserve.serving.builder import IMPORT_PATH, SERVICER, app_builder, placement
 from fusionserve.serving.grpc_ingress import grpc_code, request_fields, response_message
+from fusionserve.serving.schemas import Limits
 from fusionserve.serving.server import ServerConfig
 from tests import grpc_stubs
 
@@ -119,6 +122,20 @@ def test_print_config_is_a_serve_config_whose_args_the_builder_takes(artifact):
     assert app.args["artifact_sha256"] == sha256(Path(artifact) / MANIFEST)
     dep = _build(app.args)
     assert dep._deployment_config.autoscaling_config.max_replicas == 3 and dep.init_args[2].max_batch_size == 16
+
+
+def test_a_replica_refuses_an_artifact_other_than_the_one_the_application_names(artifact):
+    """The builder passes the manifest's sha256 to every replica; a node whose copy at that path differs (another
+    model, a stale copy) must refuse to start rather than answer for the application."""
+    expected = sha256(Path(artifact) / MANIFEST)
+    other = "0" * 64
+    with pytest.raises(ArtifactError, match="give every node the same artifact") as refused:
+        # the class as written (serve.ingress wraps it; a replica's start runs this constructor first)
+        FusionServe.__wrapped__(str(artifact), Limits(), BatchLimits(), 1, "cpu", artifact_sha256=other)
+    assert f"manifest sha256 {expected[:12]}..., expected {other[:12]}..." in str(refused.value)
+    assert str(Path(artifact).resolve()) in str(refused.value)
+    _check_identity(Path(artifact), expected)  # the right one, or none named (a plain `serve run`): no refusal
+    _check_identity(Path(artifact), None)
 
 
 def test_placement_when_ray_is_not_joined_yet(artifact, monkeypatch):
