@@ -1,9 +1,14 @@
 """deploy/: the KubeRay RayService manifests (CPU and GPU image) and the Serve configs they embed, checked without a
 cluster: the RayService fields against a schema of KubeRay's ray.io/v1 types (RayServiceSpec, RayClusterSpec,
 HeadGroupSpec, WorkerGroupSpec), every pod template field against the Kubernetes API's own models (the official
-``kubernetes`` client), the embedded config against Ray Serve's schema and fusionserve's builder arguments."""
+``kubernetes`` client), the embedded config against Ray Serve's schema and fusionserve's builder arguments, and
+against what ``fusionserve serve /artifact ... --print-config`` writes with the command each file names."""
 
+import io
+import shlex
+from contextlib import redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -12,11 +17,15 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from fusionserve.cli.main import main
+from fusionserve.serving import serve_config
 from fusionserve.serving.builder import IMPORT_PATH, SERVICER, AppArgs
 from fusionserve.serving.ingress import node_env
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 VARIANTS = {"cpu": "serve-config.yaml", "gpu": "serve-config-gpu.yaml"}
+# builder arguments a deploy config sets that `fusionserve serve` has no option for (its header says so)
+BY_HAND = {"cpu": {}, "gpu": {"gpus_per_replica": 1}}
 
 # KubeRay's ray.io/v1 types (ray-operator/apis/ray/v1: rayservice_types.go, raycluster_types.go), the fields a
 # RayService may hold; pod templates are left to the Kubernetes models below
@@ -153,3 +162,37 @@ def test_pods_start_ray_with_the_ingress_settings_and_workers_are_ready_on_ready
         (group,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "1"
+
+
+def _command(text: str) -> list[str]:
+    """The `fusionserve serve ... --print-config` command a deploy config's header names (continued with \\)."""
+    lines = [ln.removeprefix("#").strip() for ln in text.splitlines() if ln.startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("fusionserve serve "))
+    words: list[str] = []
+    for line in lines[start:]:
+        words += shlex.split(line.removesuffix("\\"))
+        if not line.endswith("\\"):
+            return words[1:]  # without the program name
+    raise AssertionError("the command never ends")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_serve_config_is_what_print_config_writes_for_the_command_it_names(variant, monkeypatch):
+    text = (DEPLOY / VARIANTS[variant]).read_text()
+    argv = _command(text)
+    assert argv[:2] == ["serve", "/artifact"] and argv[-1] == "--print-config"
+    # /artifact exists only inside the image: the config needs of it only its manifest's sha256, left out of the file
+    monkeypatch.setattr(serve_config, "load_artifact", lambda path: SimpleNamespace(folder=Path(path)))
+    monkeypatch.setattr(serve_config, "sha256", lambda path: "f" * 64)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(argv) == 0
+    printed, written = yaml.safe_load(out.getvalue()), yaml.safe_load(text)
+    (p_app,), (w_app,) = printed.pop("applications"), written.pop("applications")
+    assert printed == written  # proxy_location, http_options, grpc_options
+    p_args, w_args = p_app.pop("args"), w_app.pop("args")
+    assert p_app == w_app  # name, route_prefix, import_path
+    assert p_args.pop("artifact_sha256") == "f" * 64 and "artifact_sha256" not in w_args
+    # the same arguments, a default written out or not
+    assert AppArgs(**p_args, **BY_HAND[variant]).model_dump() == AppArgs(**w_args).model_dump()
+    assert set(p_args) | set(BY_HAND[variant]) <= set(w_args)
