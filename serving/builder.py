@@ -37,6 +37,7 @@ from .schemas import Limits
 IMPORT_PATH = "fusionserve.serving.builder:app_builder"
 DEPLOYMENT = "fusionserve"
 SERVICER = "fusionserve.serving.fusionserve_pb2_grpc.add_ClassifierServicer_to_server"  # for grpc_options
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the replicas' metrics folder (AppArgs.metrics_dir), in their environment
 
 # name -> (check, what is allowed): shared by the builder's arguments and `fusionserve serve`'s options (--name-like-this)
 RANGES = {
@@ -214,7 +215,7 @@ def app_builder(args: AppArgs) -> Any:
     options: dict[str, Any] = {
         "num_cpus": args.threads_per_replica,
         # Ray starts workers at nice 15: a replica would lose every core to anything else on its node
-        "runtime_env": {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "RAY_worker_niceness": "0"}},
+        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, "RAY_worker_niceness": "0"}},
     }
     if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
         options["num_gpus"] = gpus

@@ -19,7 +19,7 @@ from typing import Any
 from fusionserve.errors import FusionServeError
 
 from .artifact import MANIFEST, load_artifact, sha256
-from .builder import SERVICER, AppArgs, app_builder, check_ranges, placement
+from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
 from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap, routed_replicas
 from .runtime import resolve_device
@@ -29,6 +29,7 @@ APP_NAME = "fusionserve"
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
 _ingress_dir: str | None = None  # HAProxy's config, socket and state files
 _deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
+# unless another server replaced it since (see _delete_if_ours)
 
 
 @dataclass(frozen=True, init=False)
@@ -74,23 +75,25 @@ class ServerConfig:
 
 def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> str:
     """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port (and the gRPC port), and deploy the builder's
-    application; returns the base URL. ``say`` gets one line per step. Raises FusionServeError (port taken, an
-    application already deployed on the cluster without ``cfg.replace``, an unusable artifact or device, a loopback
-    --host on a cluster of several machines) or ClusterError (Ray does not start)."""
+    application; returns the base URL. Where Serve already runs on the joined cluster it keeps its ports, so --port
+    (and --grpc-port) must be the ones it listens on, and the port check leaves them to the node's ingress that holds
+    them. ``say`` gets one line per step. Raises FusionServeError (port taken, a port other than the running Serve's,
+    an application already deployed on the cluster without ``cfg.replace``, an unusable artifact or device, a
+    loopback --host on a cluster of several machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir, _deployed
     if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
-    # a missing artifact or CUDA provider, or a taken port, fails before Ray starts; how many GPUs there are, Ray tells
+    # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
+    # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
     artifact = load_artifact(cfg.artifact, verify=False)
     resolve_device(cfg.app.device)
-    for port in (cfg.port, cfg.grpc_port):
-        holder = None if port is None else port_holder(cfg.host, port)
-        if holder is not None:
-            raise FusionServeError(f"port {port} on {cfg.host} is already in use by {holder}; stop it or choose another port")
+    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:  # a Ray of our own runs no Serve yet: whatever holds a port is not ours to share
+        _refuse_held(cfg.host, held)
     # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
     _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
-    address = os.environ.get("RAY_ADDRESS")
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -99,7 +102,9 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # importing Serve set it to INFO
-    _refuse_to_replace(serve, cfg.replace)
+    running = _serve_details()  # None: no Serve on the cluster yet
+    _refuse_to_replace(running, cfg.replace)
+    _refuse_held(cfg.host, _check_ports(cfg, running, held) if running else held)
     _refuse_loopback_on_many_machines(ray, cfg.host)
     _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
     shipped = {"artifact": ".", "artifact_sha256": sha256(artifact.folder / MANIFEST)} if cfg.ship_artifact else {}
@@ -107,7 +112,8 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     opts = cfg.app
     what = f"{opts.min_replicas}-{opts.max_replicas} (autoscaling)" if opts.max_replicas else str(opts.replicas)
     say(f"deploying {what} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
-    serve.start(http_options={"host": cfg.host, "port": cfg.port}, grpc_options=grpc_options(cfg.grpc_port))
+    if running is None:  # a running Serve keeps its own options (and says so in a notice that reads like a failure)
+        serve.start(http_options={"host": cfg.host, "port": cfg.port}, grpc_options=grpc_options(cfg.grpc_port))
     _deployed = True  # from here on the application is this process's, even if serve.run fails halfway
     serve.run(application, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
@@ -134,17 +140,76 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
         )
 
 
-def _refuse_to_replace(serve: Any, replace: bool) -> None:
+def _serve_details() -> Any:
+    """Serve on the joined cluster as its controller describes it (``ray.serve.schema.ServeInstanceDetails``: the HTTP
+    and gRPC options it really listens with, each application and deployment with its options), or None when no Serve
+    runs there. Serve's public calls do not give the listening options (``serve.status()`` leaves them out, and the
+    dashboard's REST API that has them may be off), so this asks the controller through Serve's private client, the
+    way ``serve.status()`` itself does (Ray 2.60); the only private API this module uses."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else ServeInstanceDetails(**client.get_serve_details())
+
+
+def _refuse_to_replace(running: Any, replace: bool) -> None:
     """On a cluster that already runs fusionserve, deploying would silently replace it: refuse unless asked."""
-    try:
-        running = serve.status().applications
-    except Exception:  # no Serve on this cluster yet: nothing to replace
-        return
-    if APP_NAME in running and not replace:
+    app = running.applications.get(APP_NAME) if running is not None else None
+    if app is not None and not replace:
         raise FusionServeError(
             f"the Ray cluster at {os.environ.get('RAY_ADDRESS', 'this address')} already runs a '{APP_NAME}' application "
-            f"({running[APP_NAME].status}); pass --replace to replace it, or serve on another cluster"
+            f"({getattr(app.status, 'value', app.status)}); pass --replace to replace it, or serve on another cluster"
         )
+
+
+def _check_ports(cfg: ServerConfig, running: Any, held: dict[int, str]) -> dict[int, str]:
+    """Serve already runs on the joined cluster: it keeps the ports it listens on (``serve.start`` ignores new ones
+    while it runs), so ``--port`` (and ``--grpc-port``, when given) must be its ports. Returns the held ports that are
+    not Serve's: on a machine that is a node of the cluster, the node's own ingress holds Serve's ports. Raises
+    FusionServeError naming both ports when they differ."""
+    grpc = running.grpc_options
+    theirs = {
+        ("--port", "HTTP"): (cfg.port, running.http_options.port if running.http_options else None),
+        ("--grpc-port", "gRPC"): (cfg.grpc_port, grpc.port if grpc and grpc.grpc_servicer_functions else None),
+    }
+    for (flag, protocol), (mine, port) in theirs.items():
+        if mine is None or mine == port:
+            continue
+        if port is None:
+            raise FusionServeError(
+                f"{flag} {mine}: the cluster's Serve runs no {protocol} server and cannot start one while running; "
+                f"leave {flag} out"
+            )
+        raise FusionServeError(
+            f"{flag} {mine}: the cluster's Serve listens for {protocol} on port {port}; Serve cannot move it while "
+            f"running; pass {flag} {port}"
+        )
+    return {port: who for port, who in held.items() if port not in {p for _, p in theirs.values()}}
+
+
+def _refuse_held(host: str, held: dict[int, str]) -> None:
+    """Raise FusionServeError for the first of ``held`` (port -> what holds it), naming the port and its holder."""
+    if held:
+        port, holder = next(iter(held.items()))
+        raise FusionServeError(f"port {port} on {host} is already in use by {holder}; stop it or choose another port")
+
+
+def _delete_if_ours(serve: Any) -> None:
+    """Delete the cluster's fusionserve application if it is still the one this process deployed: its replicas pool
+    their metrics in this server's own folder (``PROMETHEUS_MULTIPROC_DIR``, a fresh ``mkdtemp`` of this process),
+    which a server that replaced it since (``--replace``) or a deployment by Ray's own tools does not name."""
+    running = _serve_details()
+    app = running.applications.get(APP_NAME) if running is not None else None
+    if app is None:  # gone already (or serve.run failed before it was there)
+        return
+    deployment = app.deployments.get(DEPLOYMENT)
+    options = deployment.deployment_config.ray_actor_options if deployment is not None else None
+    env = (getattr(options, "runtime_env", None) or {}).get("env_vars") or {}  # options: a schema, or Serve's "unset"
+    if _metrics_dir is not None and env.get(METRICS_ENV) == _metrics_dir:
+        serve.delete(APP_NAME)
+    else:
+        print(f"fusionserve: the '{APP_NAME}' application was replaced by another deployment; leaving it", file=sys.stderr)
 
 
 def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
@@ -190,7 +255,8 @@ def stop() -> None:
     left: HAProxy, which outlives Ray's shutdown, and the metric and ingress folders. Deleting the one application
     instead of shutting Serve down leaves another team's applications on a shared cluster alone (and spares the
     controller's own shutdown task, whose retry notice reads like a failure); a server refused before it deployed
-    (the cluster already runs fusionserve) leaves the application it refused to replace alone."""
+    (the cluster already runs fusionserve) leaves the application it refused to replace alone, and one whose
+    application another server replaced since (``--replace``) leaves the replacement alone."""
     global _deployed
     import ray
     from ray import serve
@@ -198,7 +264,7 @@ def stop() -> None:
     if ray.is_initialized():
         try:
             if _deployed:
-                serve.delete(APP_NAME)
+                _delete_if_ours(serve)
         except Exception as exc:  # Serve never came up, or is gone already: Ray still has to go
             print(f"fusionserve: could not delete the application: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:

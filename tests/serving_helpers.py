@@ -72,10 +72,11 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def launch(artifact: Path, log: Path, *args: str) -> Served:
-    """Start `fusionserve serve` and wait (up to 240 s) until it says it is serving."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+def launch(artifact: Path, log: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Served:
+    """Start `fusionserve serve` (on ``port``, default a free one; with ``env``, default this process's) and wait (up
+    to 240 s) until it says it is serving."""
+    port = port or free_port()
+    env = dict(env or os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(port), *args]
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)

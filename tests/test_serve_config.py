@@ -2,10 +2,12 @@
 onto a cluster started with ``ray start --head`` (and the ingress settings the config's header names). Then, against
 that deployment: HTTP and gRPC give the same answers and refuse the same requests for the same reasons (gRPC status
 codes), Serve's autoscaling adds a replica under load and removes it when the load is gone, and a `fusionserve serve`
-joining the cluster refuses to replace that application unless asked and leaves it serving."""
+joining the cluster refuses to replace that application unless asked and leaves it serving; asked (--replace), it
+must use the port Serve listens on, takes the application over, and at its stop deletes it only if still its own."""
 
 import io
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +29,7 @@ from fusionserve.serving.grpc_ingress import ERROR_TYPE_KEY, grpc_code
 from fusionserve.serving.ingress import free_port
 from tests import cluster_helpers as ch
 from tests.adapterhub_models import PAIRS, SENTENCES
-from tests.serving_helpers import call
+from tests.serving_helpers import call, launch, stop
 from tests.test_serving_e2e import BAD, MAX_BODY, MAX_INPUTS
 
 pytestmark = pytest.mark.slow
@@ -229,3 +231,60 @@ def test_fusionserve_serve_on_a_cluster_running_fusionserve_refuses_and_leaves_i
     status, answer = call(url + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[0]]})
     assert status == 200, answer
     assert ch.replica_counts(head.address).get("RUNNING", 0) >= 1
+
+
+def _serve_cmd(art, port: int, *more: str) -> list[str]:
+    return [sys.executable, "-m", "fusionserve.cli.main", "serve", str(art), "--port", str(port), "--threads", "1", *more]
+
+
+def test_replace_on_another_port_is_refused_naming_both_ports(deployed, art):
+    """Serve keeps the ports it listens on while it runs (new HTTP options are ignored): a --replace on another port
+    would deploy onto the cluster's old port and wait for its own in vain. Refused at once, naming both ports; the
+    running application is left serving."""
+    url, _, head = deployed
+    other = free_port()
+    env = head.env | {"RAY_ADDRESS": head.address}
+    done = subprocess.run(_serve_cmd(art, other, "--replace"), env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"--port {other}: the cluster's Serve listens for HTTP on port {head.http_port}" in done.stderr, done.stderr
+    assert f"pass --port {head.http_port}" in done.stderr
+    status, answer = call(url + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[0]]})
+    assert status == 200, answer
+
+
+def _max_inputs_seen(url: str, wanted: int, timeout_s: float = 60) -> int:
+    """/v1/tasks's max_inputs_per_request once it is ``wanted`` in 5 answers in a row (a guard against a replaced
+    replica still answering; not seen so far), or the last one seen after ``timeout_s``."""
+    deadline, row, seen = time.monotonic() + timeout_s, 0, -1
+    while time.monotonic() < deadline and row < 5:
+        status, tasks = call(url + "/v1/tasks")
+        seen = tasks.get("max_inputs_per_request", -1) if status == 200 else -1
+        row = row + 1 if seen == wanted else 0
+        time.sleep(0.2)
+    return seen
+
+
+def test_replace_on_the_clusters_port_takes_over_and_deletes_only_its_own_application(deployed, art, tmp_path):
+    """Server B joins with --replace on the cluster's ports (held here by the head node's HAProxy, which the port
+    check must not count against it) and takes the application over: /v1/tasks shows B's --max-inputs. Server C
+    replaces B the same way. B's stop then leaves C's application alone (it used to delete whatever was called
+    'fusionserve'), and C's stop deletes its own."""
+    url, _, head = deployed
+    env = head.env | {"RAY_ADDRESS": head.address}
+    opts = ["--grpc-port", str(head.grpc_port), "--threads", "1", "--replace"]
+    b = launch(art, tmp_path / "b.log", "--max-inputs", "7", *opts, port=head.http_port, env=env)
+    try:
+        assert _max_inputs_seen(url, 7) == 7
+        c = launch(art, tmp_path / "c.log", "--max-inputs", "9", *opts, port=head.http_port, env=env)
+        try:
+            assert _max_inputs_seen(url, 9) == 9
+            stop(b, signal.SIGTERM)
+            assert b.proc.returncode == 0, b.log.read_text()[-3000:]
+            assert _max_inputs_seen(url, 9, timeout_s=5) == 9  # C's application still answers
+            assert "application was replaced by another deployment; leaving it" in b.log.read_text()
+        finally:
+            stop(c, signal.SIGTERM)
+        assert c.proc.returncode == 0 and "replaced" not in c.log.read_text(), c.log.read_text()[-3000:]
+    finally:
+        stop(b, signal.SIGTERM)
+    assert "fusionserve" not in ch.ray_query(head.address, "from ray import serve\nout = list(serve.status().applications)")
