@@ -119,6 +119,10 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(folder / "server-state"),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            # and its fallback proxy (HAProxy's backup when no replica is up), which Serve binds on 8500 / 9500 with
+            # port reuse: two servers on one machine shared it, so one HAProxy could reach the other server's model
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         }
         maxconn = fit_open_files()
         if maxconn is not None:

@@ -227,3 +227,16 @@ def test_haproxy_fits_the_open_file_limit_it_gets():
     assert run(1024, 1024) == ["307", "1024"]  # (1024 - 256) / 2.5: fits, and HAProxy starts
     if hard == resource.RLIM_INFINITY or hard >= 10_500:
         assert run(1024, 10_500) == ["None", "10500"]  # raised to the hard limit: Serve's default stands
+
+
+def test_each_server_has_its_own_fallback_proxy_ports():
+    """With HAProxy, Serve also starts a fallback proxy (HAProxy's backup server when no replica is up) on 8500 / 9500
+    unless told otherwise, bound with port reuse: two servers on one machine both listened on 127.0.0.1:8500 (seen with
+    ss), so one server's HAProxy could hand requests to the other server's model. Each server gets free ports of its own."""
+    from fusionserve.serving.ingress import ingress_env, port_holder
+
+    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    for key in ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
+        assert first[key] != second[key]
+        assert port_holder("127.0.0.1", int(first[key])) is None
+    assert "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT" not in ingress_env("proxy")  # Serve's proxy ingress has no fallback
