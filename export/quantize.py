@@ -15,7 +15,8 @@ multi-task graph's fusion matrices: only constant weights can be quantized ahead
 heads (Gemm on one token per row), and by default the FFN's output GEMM of every layer (``DEFAULT_FP32_ROLES``).
 
 The gate cannot be parity to 1e-4: int8 moves every logit. It checks what a caller sees, against the fp32 graph
-the int8 one was made from (itself within 1e-4 of PyTorch), over the export's validation grid for every task:
+the int8 one was made from (itself within 1e-4 of PyTorch), over the export's validation grid for every task and
+its batches mixing every task row by row (activation scales are per batch, so a row's answer depends on its batch):
 the share of rows whose label is unchanged, and the largest change of any label's probability. Every figure that
 breaks its threshold is collected, then one error lists them all and no artifact is written.
 """
@@ -37,7 +38,7 @@ import onnx
 from .gemm_roles import DEFAULT_FP32_ROLES, ROLES
 from .model import FusionModel
 from .onnx_export import ExportError
-from .validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs
+from .validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs, mixed_cases
 
 QUANTIZED_OPS = ("MatMul", "Attention")
 ADAPTER_NODES = "/blocks."  # name prefix of the adapter blocks' nodes in the exported graph
@@ -307,11 +308,23 @@ def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelPro
     }
 
 
-def _probabilities(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
+def _probabilities(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Softmax of each row over its own task's ``labels`` (batch,) first columns; 0 past them (the graph pads with 0)."""
+    z = np.where(np.arange(logits.shape[1]) < labels[:, None], logits.astype(np.float64), -np.inf)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def _gate_runs(model: FusionModel, max_seq_len: int, wanted: set[str]) -> list[tuple[str, np.ndarray, list[Any]]]:
+    """(what, task_id feed, cases): every task over the whole grid, then (a graph that reads task_id per row, with more
+    than one task) batches whose rows cycle through every task, as the fp32 parity gate runs them (``validate``)."""
+    runs: list[tuple[str, np.ndarray, list[Any]]] = [
+        (f"task {t}", np.array([i], dtype=np.int64), grid_inputs(model.backbone.vocab_size, max_seq_len))
+        for t, i in model.task_index.items()
+    ]
+    if "task_id" in wanted:
+        runs += [("mixed tasks", ids, [case]) for ids, case in mixed_cases(model, max_seq_len)]
+    return runs
 
 
 def check_int8(
@@ -322,21 +335,22 @@ def check_int8(
     gate: Int8Gate,
     progress: Callable[[int], None] | None = None,
 ) -> GateReport:
-    """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over
-    the validation grid. Raises Int8GateError listing every figure that breaks ``gate``."""
+    """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over the
+    validation grid, and over batches mixing every task (``_gate_runs``; ``validate.count_cases`` counts them all).
+    Raises Int8GateError listing every figure that breaks ``gate``."""
     report = GateReport(gate)
     wanted = {i.name for i in fp32.get_inputs()}  # type: ignore[attr-defined]
-    for task, index in model.task_index.items():
-        n = len(model.infos[task].labels)
-        task_id = np.array([index], dtype=np.int64)
-        for batch, seq, feeds in grid_inputs(model.backbone.vocab_size, max_seq_len):
+    n_labels = np.array([len(model.infos[t].labels) for t in model.task_index])  # by task index
+    for what, task_id, cases in _gate_runs(model, max_seq_len, wanted):
+        for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
             want = fp32.run(None, feed)  # type: ignore[attr-defined]
             got = int8.run(None, feed)  # type: ignore[attr-defined]
-            p_want, p_got = _probabilities(want[0][:, :n]), _probabilities(got[0][:, :n])  # (batch, labels)
+            labels = np.broadcast_to(n_labels[task_id], (batch,))  # each row's task's label count
+            p_want, p_got = _probabilities(want[0], labels), _probabilities(got[0], labels)  # (batch, max_labels)
             report.rows += batch
             report.agreeing += int((p_want.argmax(-1) == p_got.argmax(-1)).sum())
-            where = f"task {task}, batch {batch}, sequence {seq}"
+            where = f"{what}, batch {batch}, sequence {seq}"
             change = float(np.abs(p_got - p_want).max()) if np.isfinite(p_got).all() else float("inf")
             if change >= report.max_probability_change:
                 report.max_probability_change, report.worst["probability"] = change, where

@@ -106,7 +106,7 @@ def check_parity(
         (f"task {t}", np.array([model.task_index[t]]), len(model.infos[t].labels), c) for t, c in _plan(model, max_seq_len, grid)
     ]
     if "task_id" in wanted:  # rows of every task in one batch: each row gets its own task's answer
-        runs += [(f"tasks {ids.tolist()}", ids, model.max_labels, [c]) for ids, c in _mixed(model, max_seq_len)]
+        runs += [(f"tasks {ids.tolist()}", ids, model.max_labels, [c]) for ids, c in mixed_cases(model, max_seq_len)]
     for what, task_id, n, cases in runs:
         for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
@@ -139,7 +139,7 @@ def check_parity(
     return report
 
 
-def _mixed(model: FusionModel, max_seq_len: int) -> list[tuple[np.ndarray, tuple[int, int, dict[str, np.ndarray]]]]:
+def mixed_cases(model: FusionModel, max_seq_len: int) -> list[tuple[np.ndarray, tuple[int, int, dict[str, np.ndarray]]]]:
     """Batches whose rows cycle through every task (a task id per row), at each sequence length; none for a graph
     with one task."""
     tasks = len(model.task_index)
@@ -151,4 +151,5 @@ def _mixed(model: FusionModel, max_seq_len: int) -> list[tuple[np.ndarray, tuple
 
 
 def count_cases(model: FusionModel, max_seq_len: int, grid: str = "full") -> int:
-    return sum(len(cases) for _, cases in _plan(model, max_seq_len, grid)) + len(_mixed(model, max_seq_len))
+    """Cases ``check_parity`` runs over ``grid`` (and ``quantize.check_int8``, over the full grid), mixed batches included."""
+    return sum(len(cases) for _, cases in _plan(model, max_seq_len, grid)) + len(mixed_cases(model, max_seq_len))

@@ -1,7 +1,10 @@
 """`fusionserve export --precision int8`: the tiny model's int8 graph passes its gate, which is recorded in the manifest
 and shown by `inspect`; a tightened gate refuses the same graph and writes nothing; int8 labels agree with fp32 on
-the test inputs; `prune --precision int8`. Serving an int8 artifact over HTTP is in test_int8_serving.py."""
+the test inputs; the gate also checks batches mixing every task; `score` and `evaluate` on an int8 artifact answer as
+its runtime does on the same batches; `prune --precision int8`. Serving an int8 artifact over HTTP is in
+test_int8_serving.py."""
 
+import json
 from collections import Counter
 from dataclasses import asdict
 
@@ -19,16 +22,18 @@ from fusionserve.export.quantize import (
     Int8GateError,
     Int8Options,
     backbone_roles,
+    check_int8,
     quantizable,
 )
 from fusionserve.export.spec import load_spec
-from fusionserve.export.validate import BATCH_SIZES, TOLERANCES
+from fusionserve.export.validate import BATCH_SIZES, TOLERANCES, count_cases
 from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.predictions import softmax
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.predictions import TextInput, label_scores, softmax
+from fusionserve.serving.runtime import OnnxRunner, make_session
 from tests.adapterhub_models import TASKS
 from tests.export_helpers import _cli
 from tests.runtime_helpers import MAX_SEQ_LEN, _batches
+from tests.score_helpers import _read, _texts, _write
 
 LAYERS = 3
 # per layer: the attention output, the feed-forward's first GEMM and the adapters' stacked down-projection; the FFN's
@@ -44,7 +49,7 @@ def int8(built_st, tmp_path_factory):
     return folder, manifest
 
 
-def test_int8_export_passes_its_gate_and_records_it(int8):
+def test_int8_export_passes_its_gate_and_records_it(built_st, int8):
     folder, manifest = int8
     assert manifest["precision"] == "int8" and load_artifact(folder).manifest == manifest  # checksums hold
     # the fp32 graph matched PyTorch to fp32's tolerance before it was quantized
@@ -53,7 +58,9 @@ def test_int8_export_passes_its_gate_and_records_it(int8):
     assert gate["thresholds"] == asdict(DEFAULT_OPTIONS.gate)
     assert gate["label_agreement"] >= gate["thresholds"]["min_label_agreement"]
     assert 0 < gate["max_probability_change"] <= gate["thresholds"]["max_probability_change"]  # > 0: it did change
-    assert gate["rows"] == len(TASKS) * sum(BATCH_SIZES) and gate["cases"] == len(TASKS) * len(BATCH_SIZES)
+    # every task over the grid (at MAX_SEQ_LEN: sequence 5 only), then one batch of 8 rows cycling through the 7 tasks
+    assert gate["rows"] == len(TASKS) * sum(BATCH_SIZES) + 8 and gate["cases"] == len(TASKS) * len(BATCH_SIZES) + 1
+    assert gate["cases"] == count_cases(build_model(load_spec(built_st.spec)), MAX_SEQ_LEN)  # the progress bar's total
 
     q = manifest["int8"]["quantization"]
     assert q["quantized"] == {"MatMul": QUANTIZED_MATMULS, "Attention": LAYERS}
@@ -147,6 +154,62 @@ def test_tightened_gate_refuses_with_every_failing_figure_and_writes_nothing(bui
     # label agreement is listed exactly when it, too, falls short of 100% (ties can flip on int8 kernels)
     assert (f"label agreement {passed['label_agreement']:.2%}" in message) == (passed["label_agreement"] < 1.0)
     assert list(tmp_path.iterdir()) == []
+
+
+class _FirstRowsTask:
+    """An "int8" session that is the fp32 one, but answers every row of a batch for the first row's task (what a graph
+    that ignored per-row task ids would do): right on every single-task batch, wrong on mixed ones."""
+
+    def __init__(self, session):
+        self._session = session
+
+    def get_inputs(self):
+        return self._session.get_inputs()
+
+    def run(self, names, feed):
+        return self._session.run(names, {**feed, "task_id": feed["task_id"][:1]})
+
+
+def test_int8_gate_checks_batches_mixing_every_task(built_st, artifacts):
+    session = make_session(artifacts.fp32 / "model.onnx", threads=1, device="cpu")
+    model = build_model(load_spec(built_st.spec))
+    gate = Int8Gate(min_label_agreement=0.0, max_probability_change=1e-6)
+    same = check_int8(session, session, model, MAX_SEQ_LEN, gate)  # the fp32 graph against itself passes
+    assert same.cases == count_cases(model, MAX_SEQ_LEN) and same.rows == len(TASKS) * sum(BATCH_SIZES) + 8
+    with pytest.raises(Int8GateError, match=r"max probability change \S+ > 1e-06 at mixed tasks, batch 8, sequence 5"):
+        check_int8(_FirstRowsTask(session), session, model, MAX_SEQ_LEN, gate)
+
+
+def test_score_and_evaluate_on_int8_answer_as_its_runtime_on_the_same_batches(int8, tmp_path, capsys):
+    """int8's activation scales are computed per batch, so a row's answer can depend on its batch: compare with the
+    runtime on the batches each command forms (score: by token length; evaluate: in input order)."""
+    runner = OnnxRunner(int8[0], 1, device="cpu")
+    labels = runner.labels["rte"]
+    texts = _texts(13, seed=3)
+    src = _write(tmp_path / "in.jsonl", [{"id": i, "text": t} for i, t in enumerate(texts)])
+    dst = tmp_path / "out.jsonl"
+    argv = ["score", int8[0], "--task", "rte", "--input", src, "--output", dst, "--batch-size", 4, "--threads", 1]
+    code, out, _ = _cli(capsys, *argv, "--all-scores")
+    assert code == 0, out
+    encoded = runner.encoder.encode([TextInput(t) for t in texts])
+    order = sorted(range(len(texts)), key=encoded.attention_mask.sum(axis=1).__getitem__)
+    want: dict[int, tuple[str, float, dict[str, float]]] = {}
+    for start in range(0, len(order), 4):
+        idx = order[start : start + 4]
+        want |= dict(zip(idx, label_scores(labels, runner.run("rte", encoded.rows(idx)).logits), strict=True))
+    rows = _read(dst)
+    assert [r["id"] for r in rows] == list(range(len(texts)))
+    for i, r in enumerate(rows):
+        assert r["label"] == want[i][0], f"row {i}"
+        assert [r[f"score_{x}"] for x in labels] == pytest.approx(list(want[i][2].values()), abs=2e-6)
+
+    got = [runner.run("rte", runner.encoder.encode([TextInput(t) for t in texts[k : k + 5]])).logits for k in (0, 5, 10)]
+    predicted = np.argmax(np.concatenate(got), axis=-1)
+    # the first eight labelled as the int8 runtime predicts them in batches of 5, the rest as something else: 8 of 13
+    marked = [labels[p] if k < 8 else labels[(p + 1) % len(labels)] for k, p in enumerate(predicted)]
+    src = _write(tmp_path / "labelled.jsonl", [{"text": t, "label": x} for t, x in zip(texts, marked, strict=True)])
+    code, out, _ = _cli(capsys, "evaluate", int8[0], "--task", "rte", "--input", src, "--batch-size", 5, "--json")
+    assert code == 0 and (json.loads(out)["examples"], json.loads(out)["correct"]) == (13, 8)
 
 
 def test_gate_thresholds_are_checked():
