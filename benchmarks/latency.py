@@ -218,7 +218,8 @@ def markdown(results: list[dict], commands: list[str]) -> str:
         + ", then ".join(f"`{c}`" for c in commands)
         + (" (each later command re-measured the geometries it names and kept the others)" if len(commands) > 1 else ""),
         "",
-        f"Median of round-robin rounds after 2 warm-up calls each, sequence length {results[0]['seq']}, fp32, CPU.",
+        f"Median of round-robin rounds after 2 warm-up calls each, sequence length {results[0]['seq']}, CPU; every variant "
+        "in fp32 but those named int8 (`--precision int8`).",
         "",
     ]
     for res in results:
