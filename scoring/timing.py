@@ -29,11 +29,16 @@ def fixed_batch(runner: ActivationRunner, batch: int, seq: int) -> Encoded:
 
 
 def time_round_robin(
-    variants: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2, progress: bool = False
+    variants: Mapping[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 2,
+    progress: bool = False,
+    pause_s: float = 0.0,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of each variant, ``rounds`` rounds after ``warmup`` untimed calls each. Every round
     calls every variant once, in a shuffled order, so that machine noise hits all of them alike and round r of
-    two variants can be compared."""
+    two variants can be compared. ``pause_s``: an untimed sleep before each timed call, so that the worker threads
+    of the variant before (ONNX Runtime's spin, waiting for a next run) have stopped before this one starts."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
@@ -43,6 +48,8 @@ def time_round_robin(
     for r in range(rounds):
         rng.shuffle(order)
         for name in order:
+            if pause_s:
+                time.sleep(pause_s)
             start = time.perf_counter()
             variants[name]()
             times[name].append(1000.0 * (time.perf_counter() - start))

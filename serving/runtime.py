@@ -64,9 +64,16 @@ def resolve_device(device: str = "auto") -> str:
     return "cpu"
 
 
-def make_session(path: Path, threads: int | None = None, spin: bool = True, device: str = "auto") -> ort.InferenceSession:
-    """An InferenceSession with all graph optimizations; ``threads`` sets intra-op threads (default: the CPUs
-    this process may use). ``spin=False`` stops idle worker threads from busy-waiting for the next run: right for
+def make_session(
+    path: Path,
+    threads: int | None = None,
+    spin: bool = True,
+    device: str = "auto",
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+) -> ort.InferenceSession:
+    """An InferenceSession with all graph optimizations (``optimization``: another level, for benchmarks/cpu_options.py;
+    no level was clearly faster on the exported graph, which the exporter already optimized); ``threads`` sets
+    intra-op threads (default: the CPUs this process may use). ``spin=False`` stops idle worker threads from busy-waiting for the next run: right for
     a server whose other processes (HTTP proxy, ingress) need the same cores between runs. ``device``: auto |
     cpu | cuda (see ``resolve_device``); with CUDA, CPU stays last for the operators CUDA lacks.
 
@@ -76,7 +83,7 @@ def make_session(path: Path, threads: int | None = None, spin: bool = True, devi
     opts = ort.SessionOptions()
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.graph_optimization_level = optimization
     opts.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
