@@ -69,7 +69,9 @@ def new_mark() -> str:
 
 
 def carrying(mark: str) -> dict[int, str]:
-    """The live processes whose environment has ``MARK_ENV=mark`` (pid -> the start of its command line)."""
+    """The live processes whose environment has ``MARK_ENV=mark`` (pid -> the start of its command line). A process
+    that retitles itself past its argument area may blank its environment (Ray's agents do in the image, where the
+    paths are short; not with this repository's venv paths)."""
     found = {}
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
