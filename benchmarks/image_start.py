@@ -54,13 +54,16 @@ def ready_after(proc: subprocess.Popen, port: int, log: Path, start: float, limi
 
 
 def server_pid(root: int) -> int:
-    """The `fusionserve serve /artifact` process below `buildah run` (buildah's chroot helper sits between)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """The `fusionserve serve /artifact` Python process below `buildah run`; not buildah's chroot helper above it,
+    whose arguments hold the same words (`buildah-chroot-exec /opt/venv/bin/fusionserve serve /artifact ...`) and
+    which answers SIGTERM by killing the server with SIGKILL: no clean-up, HAProxy and Ray's agents left running."""
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if b"fusionserve\0serve\0/artifact\0" in (stat.parent / "cmdline").read_bytes() and int(stat.parent.name) != root:
-                return int(stat.parent.name)
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        if Path(argv[0].decode(errors="replace")).name.startswith("python") and argv[2:4] == [b"serve", b"/artifact"]:
+            return int(entry.name)
     return root
 
 

@@ -73,13 +73,16 @@ class ServerConfig:
         return AppArgs(**(self.app.model_dump() | extra))
 
 
-def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> str:
+def start(
+    cfg: ServerConfig, say: Callable[[str], object] = lambda _: None, after_ray: Callable[[], object] = lambda: None
+) -> str:
     """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port (and the gRPC port), and deploy the builder's
     application; returns the base URL. Where Serve already runs on the joined cluster it keeps its ports, so --port
     (and --grpc-port) must be the ones it listens on, and the port check leaves them to the node's ingress that holds
-    them. ``say`` gets one line per step. Raises FusionServeError (port taken, a port other than the running Serve's,
-    an application already deployed on the cluster without ``cfg.replace``, an unusable artifact or device, a
-    loopback --host on a cluster of several machines) or ClusterError (Ray does not start)."""
+    them. ``say`` gets one line per step; ``after_ray`` runs as soon as Ray is up (Ray's start-up puts its own
+    signal handlers in; serve_forever puts its own back there). Raises FusionServeError (port taken, a port other
+    than the running Serve's, an application already deployed on the cluster without ``cfg.replace``, an unusable
+    artifact or device, a loopback --host on a cluster of several machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir, _deployed
     if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
@@ -98,6 +101,7 @@ def start(cfg: ServerConfig, say: Callable[[str], object] = lambda _: None) -> s
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
     connect(quiet=True, runtime_env={"working_dir": str(cfg.artifact)} if cfg.ship_artifact else None)
+    after_ray()
     import ray
     from ray import serve
 
@@ -278,15 +282,19 @@ def stop() -> None:
 
 
 def serve_forever(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. Our handlers go in after Ray started: Ray's own
-    SIGTERM handler prints a crash-style report. Raises what ``start`` raises, after cleaning up."""
+    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. While starting, either signal is an interruption
+    (KeyboardInterrupt, then the same clean-up); the handlers go in again once Ray is up, because Ray's start-up
+    replaces them with its own, which prints a crash-style report and ends the process without cleaning up (HAProxy
+    and some of Ray's processes then outlived the server). Raises what ``start`` raises, after cleaning up."""
 
     def say(text: str) -> None:
         print(f"fusionserve: {text}", file=sys.stderr, flush=True)
 
+    _on_signals(_interrupt)
     try:
-        url = start(cfg, say)
+        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt))
     except KeyboardInterrupt:
+        _on_signals(lambda *_: None)  # a second signal must not cut the clean-up short
         say("interrupted while starting; shutting down")
         stop()
         return
@@ -294,8 +302,7 @@ def serve_forever(cfg: ServerConfig) -> None:
         stop()
         raise
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    _on_signals(lambda *_: done.set())
     say(f"serving {cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops")
     try:
         # woken every second: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
@@ -305,3 +312,12 @@ def serve_forever(cfg: ServerConfig) -> None:
     finally:
         say("shutting down")
         stop()
+
+
+def _on_signals(handler: Callable[[int, Any], object]) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -61,6 +61,27 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+MARK_ENV = "FUSIONSERVE_TEST_MARK"  # set on a server's environment: every process it starts inherits it
+
+
+def new_mark() -> str:
+    return f"fusionserve-test-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def carrying(mark: str) -> dict[int, str]:
+    """The live processes whose environment has ``MARK_ENV=mark`` (pid -> the start of its command line). A process
+    that retitles itself past its argument area may blank its environment (Ray's agents do in the image, where the
+    paths are short; not with this repository's venv paths)."""
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"{MARK_ENV}={mark}".encode() in environ.read_bytes().split(b"\0"):
+                found[int(environ.parent.name)] = (environ.parent / "cmdline").read_bytes()[:100].decode(errors="replace")
+        except OSError:  # gone, or not ours to read (a zombie's environment reads as empty)
+            continue
+    return found
+
+
 def alive(pids: set[int]) -> set[int]:
     return {p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)}
 

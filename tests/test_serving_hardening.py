@@ -3,6 +3,7 @@ JSON 4xx (never a 500), a body that never completes is a 408, flags are strict, 
 port is refused before anything starts, and SIGTERM stops everything it started."""
 
 import json
+import os
 import random
 import resource
 import signal
@@ -16,7 +17,18 @@ from pathlib import Path
 import pytest
 
 from fusionserve.export.artifact import export_artifact
-from tests.serving_helpers import alive, call, descendants, haproxy_config, launch, stop
+from tests.serving_helpers import (
+    MARK_ENV,
+    alive,
+    call,
+    carrying,
+    descendants,
+    free_port,
+    haproxy_config,
+    launch,
+    new_mark,
+    stop,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -202,10 +214,55 @@ def test_sigterm_stops_every_process_it_started_and_exits_0(server):
     gone_s = time.monotonic() - sent
     print(f"\nSIGTERM: exited 0 after {exited_s:.1f} s, every process it started gone after {gone_s:.1f} s")
     assert not alive(before), [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in alive(before)]
+    # nor one started after `before` was taken: a HAProxy reloaded during the shutdown names the same folder
+    assert not _command_lines_naming(config.parent.parent)
     text = server.log.read_text()
     assert "fusionserve: shutting down" in text and "SIGTERM received" not in text and "Traceback" not in text
     assert "failed" not in text.lower(), text
     assert not config.parent.parent.exists()
+
+
+def test_sigterm_while_starting_stops_everything_it_started(artifact, tmp_path):
+    """SIGTERM after Ray started but before 'serving' (a container stopped early; the image test and
+    benchmarks.image_start stop the server at its first /readyz 200, which can come before that line) went to Ray's
+    own handler: a crash report, exit by the signal, no clean-up, so HAProxy and some of Ray's processes outlived the
+    server. It is an interruption while starting, as Ctrl-C is."""
+    mark = new_mark()
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", **{MARK_ENV: mark})
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(free_port())]
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while "fusionserve: deploying" not in log.read_text():  # Ray runs; Serve and the replica are on their way
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(STOP_BOUND_S)
+        while carrying(mark) and time.monotonic() - sent < STOP_BOUND_S:
+            time.sleep(0.1)
+        left = carrying(mark)
+    finally:
+        for pid in carrying(mark):
+            os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0 and "SIGTERM received" not in text, text[-3000:]
+    assert "fusionserve: interrupted while starting; shutting down" in text, text[-3000:]
+    assert not left, left
+
+
+def _command_lines_naming(folder: Path) -> dict[int, str]:
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"{folder}/" in text:
+            found[int(cmdline.parent.name)] = text[:120]
+    return found
 
 
 def test_haproxy_fits_the_open_file_limit_it_gets():
