@@ -2,7 +2,7 @@
 
     python -m benchmarks.int8 [--dev-limit 300] [--test-limit N] [--workdir DIR] [--reuse] [--no-record]
 
-Artifacts, from the built-in model at 128 tokens; the fp32 ones by ``export_artifact`` (parity grid 'quick', as the
+Artifacts, from the built-in model at its 64 tokens; the fp32 ones by ``export_artifact`` (parity grid 'quick', as the
 built-in model's first start exports it), every int8 one by quantizing and gating that validated fp32 graph exactly as
 ``export --precision int8`` does (``models.int8_copy``):
 
@@ -27,7 +27,7 @@ variant's gate figures (the export grid of random token ids) are recorded beside
 reuses the logits a previous run cached in --workdir/logits (by variant folder, task, split and number of rows).
 
 Dev splits (at most --dev-limit examples per task, a seeded sample, and every example of the two target fusion tasks,
-amazon_food and bbc_news; the choices were made on these): per task, accuracy, label agreement with fp32 and the
+the targets of ``fusionserve.training.recipe``; the choices were made on these): per task, accuracy, label agreement with fp32 and the
 largest change of a probability. Test splits, fp32 against the shipped int8: every served task, every example for
 the target fusions, at most --test-limit (a seeded sample) for each other task.
 Writes benchmarks/results/int8.json and .png, its section of benchmarks/RESULTS.md and the int8 section of
@@ -50,11 +50,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 
 from benchmarks.report import machine, record, write_section
+from fusionserve.training.recipe import TARGETS
 
 HERE = Path(__file__).parent
 REPORT = Path(__file__).resolve().parent.parent / "fusionserve" / "default_model" / "REPORT.md"
 THREADS = 2
-TARGETS = ("amazon_food", "bbc_news")
+SEQ = 64  # the default model's token limit (trained and served at 64 tokens)
 
 
 def _variants() -> dict[str, dict[str, Any]]:
@@ -115,16 +116,17 @@ def artifacts(spec: Path, work: Path, reuse: bool) -> dict[str, Path]:
             shutil.rmtree(folder, ignore_errors=True)
             int8_copy(out[v["of"]], folder, spec, v["int8"])
         else:
-            export_artifact(spec, folder, "fp32", 128, force=True, tasks=v["tasks"], parity_grid="quick")
+            export_artifact(spec, folder, "fp32", SEQ, force=True, tasks=v["tasks"], parity_grid="quick")
     return out
 
 
 def _split(dataset: str, split: str, work: Path, limit: int | None) -> list[dict[str, Any]]:
     from fusionserve.training.datasets import load, write_jsonl
+    from fusionserve.training.recipe import Recipe, target_data
 
     path = work / f"{dataset}.{split}.jsonl"
-    if not path.is_file():
-        write_jsonl(load(dataset), split, path)
+    if not path.is_file():  # a target's test set is the one its REPORT.md uses (official test plus unused train)
+        write_jsonl(target_data(dataset, Recipe()) if dataset in TARGETS else load(dataset), split, path)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     if not limit or limit >= len(rows):
         return rows
@@ -265,7 +267,7 @@ def markdown(result: dict[str, Any], command: str) -> tuple[str, str]:
     m = machine()
     head = (
         f"`{command}` on {m['cpu']} ({m['cores']} cores), onnxruntime {m['onnxruntime']}, {m['date']}. The built-in "
-        "model exported at 128 tokens; int8 = `--precision int8` (dynamic quantization, weights one scale per output "
+        f"model exported at {SEQ} tokens; int8 = `--precision int8` (dynamic quantization, weights one scale per output "
         "column, activations one scale per tensor at run time, the FFN's output GEMM left in fp32). Agreement and "
         "probability change are against the fp32 graph of the same tasks; they do not depend on the machine's load "
         "(no speed is measured here)."
@@ -279,17 +281,17 @@ def markdown(result: dict[str, Any], command: str) -> tuple[str, str]:
         "",
     ]
     lines += [
-        "| variant | rows | pooled label agreement % | lowest task % | amazon_food (whole dev) % | bbc_news % "
+        f"| variant | rows | pooled label agreement % | lowest task % | {TARGETS[0]} (whole dev) % | {TARGETS[1]} % "
         "| int8 MatMul / Attention | int8 weights | gate grid: agreement / max prob. change |"
     ]
     lines.append("|---|---:|---:|---:|---:|---:|---|---:|---|")
     for name, per_task in result["dev"].items():
         p, g, q = _pooled(per_task), result["gates"].get(name), result.get("quantized", {}).get(name, {})
         grid = f"{100 * g['label_agreement']:.1f}% / {g['max_probability_change']:.3f}" if g else "-"
-        amazon, bbc = (per_task[t]["agreement"] if t in per_task else float("nan") for t in TARGETS)
+        amazon, other = (per_task[t]["agreement"] if t in per_task else float("nan") for t in TARGETS[:2])
         lines.append(
             f"| {name} | {p['examples']} | {p['agreement']:.2f} | {p['min_agreement']:.1f} ({p['lowest']}) | {amazon:.2f} "
-            f"| {bbc:.1f} | {q.get('MatMul', '?')} / {q.get('Attention', '?')} | {q.get('int8_weights', 0):,} | {grid} |"
+            f"| {other:.1f} | {q.get('MatMul', '?')} / {q.get('Attention', '?')} | {q.get('int8_weights', 0):,} | {grid} |"
         )
     reached = [n for n, t in result["dev"].items() if t.get(TARGETS[0], {}).get("agreement", 0) >= 99]
     lines += [

@@ -147,7 +147,7 @@ def over_http(args: argparse.Namespace, artifact: Path, tasks: list[str], texts:
 
 
 def markdown(res: dict) -> str:
-    m, ip, h = res["machine"], res["in_process"], res["http"]
+    m, ip, h = res["machine"], res["in_process"], res.get("http")
     lines = [
         f"Command: `{res['command']}`",
         "",
@@ -168,6 +168,10 @@ def markdown(res: dict) -> str:
         f"Each row of the mixed batch against the same row run alone for its task: max |diff| of the logits "
         f"{ip['max_abs_diff_vs_alone']:.2g} (target <= 1e-5: {'met' if ip['max_abs_diff_vs_alone'] <= 1e-5 else 'NOT met'}).",
         "",
+    ]
+    if h is None:
+        return "\n".join([*lines, "HTTP: not run (`--http-rounds 0`).", ""])
+    lines += [
         f"HTTP, {h['clients']} closed-loop clients, {h['seconds']} s per run, {h['rounds']} alternating runs each:",
         "",
         "| clients' tasks | req/s (each run) | p50 ms (each run) | mean batch | tasks per batch |",
@@ -196,13 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="in-process alternating rounds")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--seconds", type=float, default=10.0, help="per HTTP run")
-    p.add_argument("--http-rounds", type=int, default=3)
+    p.add_argument("--http-rounds", type=int, default=3, help="alternating HTTP runs per variant (0: in-process only)")
     p.add_argument("--threads", type=int, help="ONNX Runtime threads (default: every core)")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--texts", default="rotten_tomatoes")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
+    if args.http_rounds < 0 or args.rounds < 1:
+        p.error("--http-rounds must be >= 0 and --rounds >= 1")
     from benchmarks.load import load_texts
     from fusionserve.serving.artifact import load_artifact
 
@@ -217,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     res["in_process"] = in_process(artifact, tasks, args.batch, args.seq, args.rounds, args.threads)
     print(f"mixed: in-process {res['in_process']}", file=sys.stderr)
-    res["http"] = over_http(args, artifact, tasks, load_texts(args.texts))
+    res["http"] = over_http(args, artifact, tasks, load_texts(args.texts)) if args.http_rounds else None
     text = markdown(res)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,20 @@
 """Pruning the default model: accuracy kept and latency saved, per target task, against the plain backbone.
 
-    python -m benchmarks.prune [--targets amazon_food bbc_news] [--keep-top 2] [--rounds 60]
+    python -m benchmarks.prune [--targets amazon_food newsgroups] [--keep-top 2] [--rounds 60]
 
 For each target task: calibrate the fusion on the dev split (``fusionserve calibrate``), prune with the options
 below (``fusionserve prune``, only the target served so that no other task keeps the dropped adapters in the
 graph), evaluate every variant on the test split (``fusionserve evaluate``) and time one forward pass at batch 16,
-seq 128 for all variants round-robin in one process (ONNX Runtime, CPU, 2 threads; median over rounds):
+seq 64 (the model's token limit) for all variants round-robin in one process (ONNX Runtime, CPU, 2 threads;
+median over rounds):
 
 - ``plain backbone``: the target's head-only task (frozen MiniLM + head): the floor
-- ``fusion (unpruned)``: the fusion over all 7 adapters
+- ``fusion (unpruned)``: the fusion over the 5 source adapters and the target's own
 - ``top K``: the K adapters with the highest mean weight over layers, in every layer
 - ``top K per layer``: the K highest in each layer on its own
 - ``top K, last layer dropped``: top K, and no fusion in the last layer (AdapterDrop)
 - ``top K, all tasks served``: top K pruned in the full 11-task artifact, where the single-adapter tasks keep all
-  adapters in the graph (what pruning saves when other tasks share the graph: nothing)
+  adapters in the graph (what pruning saves when other tasks share the graph)
 
 Writes benchmarks/results/prune.json, benchmarks/results/prune.png and the section in benchmarks/RESULTS.md.
 """
@@ -37,12 +38,14 @@ from benchmarks.report import machine, record
 
 HERE = Path(__file__).parent
 THREADS = 2
+SEQ = 64  # the default model's token limit (it is trained and served at 64 tokens)
 
 
 def _data(target: str, folder: Path) -> dict[str, Path]:
-    from fusionserve.training.datasets import load, write_jsonl
+    from fusionserve.training.datasets import write_jsonl
+    from fusionserve.training.recipe import Recipe, target_data
 
-    dataset = load(target)
+    dataset = target_data(target, Recipe())  # the test set the model's REPORT.md uses
     paths = {}
     for split in ("dev", "test"):
         paths[split] = folder / f"{target}_{split}.jsonl"
@@ -80,7 +83,7 @@ def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reus
     data = _data(target, work)
     unpruned = work / "unpruned"
     if not reuse or not (unpruned / "manifest.json").is_file():
-        export_artifact(spec, unpruned, max_seq_len=128, tasks=[target], force=True)
+        export_artifact(spec, unpruned, max_seq_len=SEQ, tasks=[target], force=True)
     stats_path = work / "stats.json"
     stats, _ = calibrate(
         OnnxRunner(unpruned, THREADS, device="cpu"), [target], read_labelled_jsonl(data["dev"], False), progress=True
@@ -94,11 +97,11 @@ def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reus
             if name == "fusion (unpruned)":
                 folder = unpruned
             elif not reuse or not (folder / "manifest.json").is_file():
-                export_artifact(spec, folder, max_seq_len=128, tasks=v["tasks"], force=True)
+                export_artifact(spec, folder, max_seq_len=SEQ, tasks=v["tasks"], force=True)
         elif reuse and (folder / "manifest.json").is_file():
             kept[name] = load_artifact(folder).manifest["pruning"]["tasks"][target]["kept_per_layer"]
         else:
-            _, plans = prune_artifact(spec, stats_path, v["rule"], folder, v["tasks"], max_seq_len=128, force=True)
+            _, plans = prune_artifact(spec, stats_path, v["rule"], folder, v["tasks"], max_seq_len=SEQ, force=True)
             kept[name] = [list(layer) for layer in plans[target].kept_per_layer]
         runners[name] = OnnxRunner(folder, THREADS, device="cpu")
 
@@ -115,8 +118,8 @@ def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reus
             "adapters_per_layer": [len(stack) for stack in manifest["adapters_per_layer"]],
             "kept_per_layer": kept.get(name),
         }
-    print(f"timing {len(runners)} variants of {target}: batch 16, seq 128, {rounds} rounds", file=sys.stderr)
-    samples = latency_samples({n: (r, rows[n]["task"]) for n, r in runners.items()}, batch=16, seq=128, rounds=rounds, warmup=5)
+    print(f"timing {len(runners)} variants of {target}: batch 16, seq {SEQ}, {rounds} rounds", file=sys.stderr)
+    samples = latency_samples({n: (r, rows[n]["task"]) for n, r in runners.items()}, batch=16, seq=SEQ, rounds=rounds, warmup=5)
     for name, ms in samples.items():
         rows[name]["latency_ms"] = round(statistics.median(ms), 2)
         rows[name]["latency_ms_p25_p75"] = [round(float(np.percentile(ms, q)), 2) for q in (25, 75)]
@@ -136,8 +139,9 @@ def markdown(results: list[dict[str, Any]], command: str, keep: int) -> str:
     m = machine()
     lines = [
         f"`{command}` on {m['cpu']} ({m['cores']} cores), onnxruntime {m['onnxruntime']}, {m['date']}. "
-        "Default model (all-MiniLM-L6-v2, 7 adapters). Calibrated on the dev split, accuracy on the test split; "
-        "latency: one forward pass, batch 16, seq 128, fp32, ONNX Runtime CPU with 2 threads, median over rounds, "
+        "Default model (all-MiniLM-L6-v2; each target's fusion mixes 5 source adapters and its own). Calibrated on the "
+        "dev split, accuracy on the test set of the model's REPORT.md (official test plus the unused train examples); "
+        f"latency: one forward pass, batch 16, seq {SEQ}, fp32, ONNX Runtime CPU with 2 threads, median over rounds, "
         "every variant of a target timed round-robin in one process (shuffled order per round); 'vs plain' is the "
         "median over rounds of the variant's time over the plain backbone's in the same round. Targets: top "
         f"{keep} keeps >= 99% of the unpruned fusion's accuracy; costs <= 1.1x the plain backbone.",
@@ -188,7 +192,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.axvline(1.1, color="gray", linestyle=":", label="1.1x plain (target)")
         unpruned = r["variants"]["fusion (unpruned)"]["accuracy"]
         ax.axhline(0.99 * unpruned, color="red", linestyle=":", label="99% of unpruned (target)")
-        ax.set_title(f"{r['target']}: test accuracy vs latency (batch 16, seq 128)", fontsize=9)
+        ax.set_title(f"{r['target']}: test accuracy vs latency (batch 16, seq {SEQ})", fontsize=9)
         ax.set_xlabel("latency / plain backbone")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)
@@ -199,10 +203,11 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from fusionserve.cli.default import DEFAULT_MODEL, SPEC_FILE
+    from fusionserve.training.recipe import TARGETS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--spec", type=Path, default=DEFAULT_MODEL / SPEC_FILE, help="model spec (default: the built-in model)")
-    p.add_argument("--targets", nargs="+", default=["amazon_food", "bbc_news"])
+    p.add_argument("--targets", nargs="+", default=list(TARGETS))
     p.add_argument("--keep-top", type=int, default=2)
     p.add_argument("--rounds", type=int, default=80)
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench" / "prune")

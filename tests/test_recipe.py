@@ -33,7 +33,7 @@ def test_nested_order_gives_label_balanced_prefixes_that_nest():
     assert [examples[i].label for i in nested_order(examples, seed=1, what="x")] == [examples[i].label for i in order]
 
 
-def test_target_data_trains_on_the_curve_and_tests_on_everything_else(monkeypatch):
+def test_target_data_trains_on_the_curve_and_can_test_on_everything_else(monkeypatch):
     train, dev, test = (
         _examples({"pos": 60, "neg": 40}),
         _examples({"pos": 6, "neg": 4}, "d"),
@@ -41,6 +41,8 @@ def test_target_data_trains_on_the_curve_and_tests_on_everything_else(monkeypatc
     )
     monkeypatch.setattr(recipe_module.datasets, "load", lambda name, seed=0: Dataset(name, ("neg", "pos"), train, dev, test))
     r = Recipe(curve=(10, 20, 40), target_train=20)
+    assert target_data("t", r).test == test  # by default: the official test split only
+    monkeypatch.setattr(recipe_module, "TEST_PLUS_UNUSED", ("t",))
     ds = target_data("t", r)
     assert len(ds.train) == 40 and ds.dev == dev
     assert ds.test[: len(test)] == test and len(ds.test) == len(test) + 60  # official test, then the unused train

