@@ -1,6 +1,6 @@
 """Pruning the default model: accuracy kept and latency saved, per target task, against the plain backbone.
 
-    python -m benchmarks.prune [--targets amazon_food newsgroups] [--keep-top 2] [--rounds 60]
+    python -m benchmarks.prune [--targets amazon_food newsgroups] [--keep-top 2] [--rounds 60] [--test-limit N]
 
 For each target task: calibrate the fusion on the dev split (``fusionserve calibrate``), prune with the options
 below (``fusionserve prune``, only the target served so that no other task keeps the dropped adapters in the
@@ -41,11 +41,17 @@ THREADS = 2
 SEQ = 64  # the default model's token limit (it is trained and served at 64 tokens)
 
 
-def _data(target: str, folder: Path) -> dict[str, Path]:
+def _data(target: str, folder: Path, test_limit: int | None = None) -> dict[str, Path]:
+    import random
+    from dataclasses import replace
+
     from fusionserve.training.datasets import write_jsonl
     from fusionserve.training.recipe import Recipe, target_data
 
     dataset = target_data(target, Recipe())  # the test set the model's REPORT.md uses
+    if test_limit and test_limit < len(dataset.test):  # a seeded sample, in the split's order
+        keep = sorted(random.Random(f"prune/{target}").sample(range(len(dataset.test)), test_limit))
+        dataset = replace(dataset, test=tuple(dataset.test[i] for i in keep))
     paths = {}
     for split in ("dev", "test"):
         paths[split] = folder / f"{target}_{split}.jsonl"
@@ -68,7 +74,9 @@ def _variants(target: str, keep: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reuse: bool = False) -> dict[str, Any]:
+def run_target(
+    spec: Path, target: str, keep: int, rounds: int, work: Path, reuse: bool = False, test_limit: int | None = None
+) -> dict[str, Any]:
     from fusionserve.export.artifact import export_artifact
     from fusionserve.export.prune import prune_artifact
     from fusionserve.scoring.calibrate import calibrate
@@ -80,7 +88,7 @@ def run_target(spec: Path, target: str, keep: int, rounds: int, work: Path, reus
     from fusionserve.serving.runtime import OnnxRunner
 
     work.mkdir(parents=True, exist_ok=True)
-    data = _data(target, work)
+    data = _data(target, work, test_limit)
     unpruned = work / "unpruned"
     if not reuse or not (unpruned / "manifest.json").is_file():
         export_artifact(spec, unpruned, max_seq_len=SEQ, tasks=[target], force=True)
@@ -214,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
     p.add_argument("--reuse", action="store_true", help="reuse the artifacts a previous run left in --workdir (same spec)")
+    p.add_argument("--test-limit", type=int, help="evaluate on a seeded sample of at most this many test examples per target")
     args = p.parse_args(argv)
     command = "python -m benchmarks.prune " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = [run_target(args.spec, t, args.keep_top, args.rounds, args.workdir / t, args.reuse) for t in args.targets]
+    results = [
+        run_target(args.spec, t, args.keep_top, args.rounds, args.workdir / t, args.reuse, args.test_limit) for t in args.targets
+    ]
     data = {"command": command.strip(), "machine": machine(), "results": results}
     text = markdown(results, command.strip(), args.keep_top)
     record(args.out, "prune", "Pruning the default model", data, lambda path: plot(results, path), text, not args.no_record)
