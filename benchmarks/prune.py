@@ -148,7 +148,7 @@ def markdown(results: list[dict[str, Any]], command: str, keep: int) -> str:
     lines = [
         f"`{command}` on {m['cpu']} ({m['cores']} cores), onnxruntime {m['onnxruntime']}, {m['date']}. "
         "Default model (all-MiniLM-L6-v2; each target's fusion mixes 5 source adapters and its own). Calibrated on the "
-        "dev split, accuracy on the test set of the model's REPORT.md (official test plus the unused train examples); "
+        "dev split, accuracy on the test set of the model's REPORT.md (--test-limit: a seeded sample of it); "
         f"latency: one forward pass, batch 16, seq {SEQ}, fp32, ONNX Runtime CPU with 2 threads, median over rounds, "
         "every variant of a target timed round-robin in one process (shuffled order per round); 'vs plain' is the "
         "median over rounds of the variant's time over the plain backbone's in the same round. Targets: top "
