@@ -109,3 +109,13 @@ def fit(
             p.copy_(b)
     return {"best_epoch": best_epoch, "dev_accuracy": round(best_acc, 4), "epochs": history,
             "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+
+
+def stream(make_pass: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """Batches of one shuffled pass after another, without end (a target's fits are counted in steps)."""
+    while True:
+        yield from make_pass()
+
+
+def first(data: Encoded, n: int | None) -> Encoded:
+    return data if n is None else Encoded(data.ids[:n], data.types[:n], data.labels[:n])

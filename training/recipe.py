@@ -174,3 +174,21 @@ def load_data(recipe: Recipe) -> dict[str, Dataset]:
             dev = _sample(ds.dev, recipe.max_target_dev, recipe.seed, f"{name}/dev")
         out[name] = replace(ds, dev=dev, test=_sample(ds.test, recipe.max_test, recipe.seed, f"{name}/test"))
     return out
+
+
+def spec_text(max_seq_len: int) -> str:
+    """The default model's spec: the report's three columns for each target, and each source task's adapter."""
+    lines = [
+        "# fusionserve's default model: AdapterFusion on all-MiniLM-L6-v2, trained by",
+        "# `python -m fusionserve.training.train --out fusionserve/default_model` (see REPORT.md).",
+        f"base_model: {BASE_MODEL}",
+        f"max_seq_len: {max_seq_len}  # trained and evaluated on inputs cut at {max_seq_len} tokens",
+        "adapters:",
+        *(f"  {name}: adapters/{name}" for name in ADAPTERS),
+        "tasks:",
+    ]
+    for t in TARGETS:
+        lines += [f"  {t}:  # fusion over the {len(SOURCES)} source adapters and its own", f"    fusion: fusions/{t}", f"    head: heads/{t}_fusion",
+                  f"  {t}_adapter: {{adapter: {t}, head: heads/{t}_adapter}}", f"  {t}_head: {{head: heads/{t}_head}}"]  # fmt: skip
+    lines += [f"  {s}: {{adapter: {s}, head: heads/{s}}}" for s in SOURCES]
+    return "\n".join(lines) + "\n"

@@ -46,8 +46,8 @@ from fusionserve.errors import FusionServeError
 
 from . import datasets
 from .datasets import Dataset
-from .loop import Encoded, batches, encode, fit, n_batches
-from .recipe import ADAPTERS, BASE_MODEL, NOTES, SOURCES, TARGETS, UPSTREAM_MODEL, Recipe, load_data, seed_of
+from .loop import batches, encode, first, fit, n_batches, stream
+from .recipe import ADAPTERS, BASE_MODEL, NOTES, SOURCES, TARGETS, UPSTREAM_MODEL, Recipe, load_data, seed_of, spec_text
 
 
 class Stages:
@@ -115,7 +115,7 @@ class Stages:
         extra_loss: Callable[[], Any] | None = None,
     ) -> dict[str, Any]:
         params = [p for p in self.model.bert.parameters() if p.requires_grad] + list(self.model.heads[head].parameters())
-        train = _first(self.enc[task, "train"], n)
+        train = first(self.enc[task, "train"], n)
         gen = torch.Generator().manual_seed(seed_of(self.recipe.seed, "shuffle", desc))
         loss_fn = nn.CrossEntropyLoss()
 
@@ -129,8 +129,8 @@ class Stages:
                       loss_of, lambda: self._dev_accuracy(task, head), epochs, lr, self.recipe.source_patience)  # fmt: skip
         else:  # ``epochs`` is a step budget, dev checked every eval_every steps
             every = self.recipe.eval_every
-            stream = _stream(lambda: batches(train, self.recipe.batch_size, gen))
-            log = fit(desc, params, lambda _: itertools.islice(stream, every), every, loss_of,
+            steps = stream(lambda: batches(train, self.recipe.batch_size, gen))
+            log = fit(desc, params, lambda _: itertools.islice(steps, every), every, loss_of,
                       lambda: self._dev_accuracy(task, head), -(-epochs // every), lr, self.recipe.patience)  # fmt: skip
             log["eval_every_steps"] = every
         log["trainable_parameters"] = sum(p.numel() for p in params)
@@ -164,10 +164,10 @@ class Stages:
         size = self.recipe.batch_size
 
         every = self.recipe.eval_every
-        stream = _stream(lambda: iter(torch.randperm(len(train_y), generator=gen).split(size)))
+        steps = stream(lambda: iter(torch.randperm(len(train_y), generator=gen).split(size)))
 
         def epoch_batches(_: int) -> Iterator[torch.Tensor]:
-            return itertools.islice(stream, every)
+            return itertools.islice(steps, every)
 
         def dev_accuracy() -> float:
             head.eval()
@@ -300,34 +300,6 @@ class Stages:
         for head in self.model.heads:
             self.model.save_head(str(folder / "heads" / head), head, use_safetensors=True)
         (folder / "model.yaml").write_text(spec_text(self.recipe.max_seq_len), encoding="utf-8")
-
-
-def _stream(make_pass: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """Batches of one shuffled pass after another, without end (a target's fits are counted in steps)."""
-    while True:
-        yield from make_pass()
-
-
-def _first(data: Encoded, n: int | None) -> Encoded:
-    return data if n is None else Encoded(data.ids[:n], data.types[:n], data.labels[:n])
-
-
-def spec_text(max_seq_len: int) -> str:
-    """The default model's spec: the report's three columns for each target, and each source task's adapter."""
-    lines = [
-        "# fusionserve's default model: AdapterFusion on all-MiniLM-L6-v2, trained by",
-        "# `python -m fusionserve.training.train --out fusionserve/default_model` (see REPORT.md).",
-        f"base_model: {BASE_MODEL}",
-        f"max_seq_len: {max_seq_len}  # trained and evaluated on inputs cut at {max_seq_len} tokens",
-        "adapters:",
-        *(f"  {name}: adapters/{name}" for name in ADAPTERS),
-        "tasks:",
-    ]
-    for t in TARGETS:
-        lines += [f"  {t}:  # fusion over the {len(SOURCES)} source adapters and its own", f"    fusion: fusions/{t}", f"    head: heads/{t}_fusion",
-                  f"  {t}_adapter: {{adapter: {t}, head: heads/{t}_adapter}}", f"  {t}_head: {{head: heads/{t}_head}}"]  # fmt: skip
-    lines += [f"  {s}: {{adapter: {s}, head: heads/{s}}}" for s in SOURCES]
-    return "\n".join(lines) + "\n"
 
 
 def train(out: Path, recipe: Recipe, threads: int = 2) -> dict[str, Any]:
