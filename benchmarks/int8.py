@@ -125,7 +125,7 @@ def _split(dataset: str, split: str, work: Path, limit: int | None) -> list[dict
     from fusionserve.training.recipe import Recipe, target_data
 
     path = work / f"{dataset}.{split}.jsonl"
-    if not path.is_file():  # a target's test set is the one its REPORT.md uses (official test plus unused train)
+    if not path.is_file():  # a target's splits are the ones its REPORT.md uses (recipe.target_data)
         write_jsonl(target_data(dataset, Recipe()) if dataset in TARGETS else load(dataset), split, path)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     if not limit or limit >= len(rows):

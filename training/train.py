@@ -46,7 +46,7 @@ from fusionserve.errors import FusionServeError
 
 from . import datasets
 from .datasets import Dataset
-from .loop import batches, encode, first, fit, n_batches, stream
+from .loop import Encoded, batches, encode, first, fit, n_batches, stream
 from .recipe import ADAPTERS, BASE_MODEL, NOTES, SOURCES, TARGETS, UPSTREAM_MODEL, Recipe, load_data, seed_of, spec_text
 
 
@@ -94,15 +94,21 @@ class Stages:
         with self._autocast():
             return self.model(**inputs, head=head).logits.float()  # (batch, num_labels)
 
-    def _dev_accuracy(self, task: str, head: str) -> float:
+    def _predictions(self, data: Encoded, head: str, fp32: bool = False) -> torch.Tensor:
+        """Predicted label ids (n,) of ``head`` on the active setup, dropout off; under the training precision unless
+        ``fp32``."""
         self.model.eval()
-        correct = 0
-        data = self.enc[task, "dev"]
-        with torch.no_grad():
-            for _, batch in batches(data, self.recipe.batch_size * 2):
-                correct += int((self._logits(batch, head).argmax(-1) == batch["labels"]).sum())
+        preds = torch.empty(len(data), dtype=torch.long)
+        with torch.no_grad(), contextlib.nullcontext() if fp32 else self._autocast():
+            for idx, batch in batches(data, self.recipe.batch_size * 2):
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+                preds[idx] = self.model(**inputs, head=head).logits.argmax(-1)
         self.model.train()
-        return correct / len(data)
+        return preds
+
+    def _dev_accuracy(self, task: str, head: str) -> float:
+        data = self.enc[task, "dev"]
+        return int((self._predictions(data, head) == data.labels).sum()) / len(data)
 
     def _fit_model(
         self,
@@ -137,18 +143,19 @@ class Stages:
         log["n_train"] = len(train)
         return log
 
-    def _features(self, task: str, split: str) -> torch.Tensor:
-        """The frozen backbone's [CLS] vectors of a split, (n, hidden), computed once per task and split."""
-        key = (task, split)
+    def _features(self, task: str, split: str, fp32: bool = False) -> torch.Tensor:
+        """The frozen backbone's [CLS] vectors of a split, (n, hidden), computed once per task, split and precision
+        (the training precision unless ``fp32``)."""
+        key = (task, split, fp32)
         if key not in self._cls:
             self.model.set_active_adapters(None)
             self.model.eval()
-            data = self.enc[key]
+            data = self.enc[task, split]
             out = torch.empty((len(data), self.model.config.hidden_size))
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), contextlib.nullcontext() if fp32 else self._autocast():
                 for idx, batch in tqdm(list(batches(data, self.recipe.batch_size * 2)), desc=f"head-only {task}: {split} features",
                                        file=sys.stderr, leave=False):  # fmt: skip
-                    inputs = {k: v for k, v in batch.items() if k not in ("labels",)}
+                    inputs = {k: v for k, v in batch.items() if k != "labels"}
                     out[idx] = self.model.bert(**inputs).last_hidden_state[:, 0].float()
             self._cls[key] = out
         return self._cls[key]
@@ -200,7 +207,7 @@ class Stages:
 
     def fusion(self, target: str, own: str, head: str, own_head: str, n: int) -> dict[str, Any]:
         """Stage 2: fusion over the source adapters and the target's own adapter ``own`` (all frozen), trained on the
-        first ``n`` examples; it stays active until :meth:`drop_fusion`."""
+        first ``n`` examples; it stays in the model until :meth:`drop`."""
         from adapters.composition import Fuse
 
         fuse = Fuse(*SOURCES, own)
@@ -233,31 +240,16 @@ class Stages:
         """Per test example, 1.0 where ``head`` on ``setup`` (None: the frozen backbone's [CLS], an adapter name or a
         Fuse) predicts the gold label; fp32, dropout off. Used for the learning curve's points."""
         data = self.enc[target, "test"]
-        self.model.eval()
-        with torch.no_grad():
-            if setup is None:
-                with torch.autocast("cpu", enabled=False):
-                    logits = nn.Sequential.forward(self.model.heads[head], self._features_fp32(target))
-                preds = logits.argmax(-1)
-            else:
-                self.model.set_active_adapters(setup)
-                preds = torch.empty(len(data), dtype=torch.long)
-                for idx, batch in batches(data, self.recipe.batch_size * 2):
-                    inputs = {k: v for k, v in batch.items() if k != "labels"}
-                    preds[idx] = self.model(**inputs, head=head).logits.argmax(-1)
-        self.model.train()
+        if setup is None:
+            head_module = self.model.heads[head]
+            head_module.eval()
+            with torch.no_grad():
+                preds = nn.Sequential.forward(head_module, self._features(target, "test", fp32=True)).argmax(-1)
+            self.model.train()
+        else:
+            self.model.set_active_adapters(setup)
+            preds = self._predictions(data, head, fp32=True)
         return (preds == data.labels).numpy().astype(np.float64)
-
-    def _features_fp32(self, target: str) -> torch.Tensor:
-        key = (target, "test32")
-        if key not in self._cls:
-            self.model.set_active_adapters(None)
-            out = torch.empty((len(self.enc[target, "test"]), self.model.config.hidden_size))
-            for idx, batch in batches(self.enc[target, "test"], self.recipe.batch_size * 2):
-                inputs = {k: v for k, v in batch.items() if k != "labels"}
-                out[idx] = self.model.bert(**inputs).last_hidden_state[:, 0]
-            self._cls[key] = out
-        return self._cls[key]
 
     def target(self, target: str, folder: Path) -> dict[str, Any]:
         """Every learning-curve point of one target: head-only, own adapter and fusion on its first n training
