@@ -167,6 +167,29 @@ def _make_amazon(cache: Path, train_n: int = 50, test_n: int = 20) -> None:
     _slot(cache, datasets.MODELDATA, "r-cran-modeldata_1.1.0-1_all.deb").write_bytes(deb)
 
 
+def _make_vader(cache: Path) -> None:
+    """vaderSentiment's sdist: the rated snippets sit in a tar.gz inside the tar.gz."""
+    product = [
+        f"{doc}_{i}\t{(1.5 if (doc + i) % 3 else -2.0):.2f}\treview {doc} sentence {i} &amp; more"
+        for doc in range(20)
+        for i in range(5)
+    ]
+    product += ["20_1\t0.3\tnear neutral, dropped", "20_2\t-0.5\texactly half a point below neutral", "20_3\t2.0\t   "]
+    tweets = [f"{i}\t{2.0 if i % 4 else -1.0}\ttweet {i} :)" for i in range(40)]
+    inner = _tar_bytes(
+        {
+            "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt": "\n".join(product).encode(),
+            "hutto_ICWSM_2014/tweets_GroundTruth.txt": ("\n".join(tweets) + "\n").encode(),
+        },
+        "w:gz",
+    )
+    root = "vaderSentiment-3.3.2/"
+    blob = _tar_bytes(
+        {root + "PKG-INFO": b"Name: vaderSentiment", root + "additional_resources/hutto_ICWSM_2014.tar.gz": inner}, "w:gz"
+    )
+    _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz").write_bytes(blob)
+
+
 # ---- the loaders ------------------------------------------------------------------------------------------
 
 
@@ -238,6 +261,33 @@ def test_amazon_food_from_a_debian_lazy_load_database(cache: Path) -> None:
     _assert_disjoint(ds)
 
 
+def test_vader_snippets_binarised_and_split_by_review(cache: Path) -> None:
+    _make_vader(cache)
+    ds = load("product_sentiment", cache_dir=cache)
+    assert ds.labels == ("negative", "positive")
+    assert (
+        len(_all(ds)) == 101
+    )  # 100 sentences of 20 reviews and the -0.5 one (33 + 1 negative); the 0.3 one and the empty text dropped
+    assert Counter(ex.label for ex in _all(ds))["negative"] == 34
+    reviews = [{ex.text.split()[1] for ex in split if ex.text.startswith("review")} for split in (ds.train, ds.dev, ds.test)]
+    assert not reviews[0] & reviews[1] and not reviews[0] & reviews[2] and not reviews[1] & reviews[2]
+    assert len(ds.test) >= 10 and len(ds.dev) >= 10
+    assert Example("review 0 sentence 1 & more", None, "positive") in _all(ds)  # HTML entities unescaped
+    tweets = load("tweet_sentiment", cache_dir=cache)
+    assert len(_all(tweets)) == 40 and Counter(ex.label for ex in _all(tweets)) == {"positive": 30, "negative": 10}
+    _assert_disjoint(ds)
+    _assert_disjoint(tweets)
+
+
+def test_vader_archive_without_the_snippets_names_the_file(cache: Path) -> None:
+    root = "vaderSentiment-3.3.2/"
+    inner = _tar_bytes({"hutto_ICWSM_2014/_README_.txt": b"about"}, "w:gz")
+    blob = _tar_bytes({root + "additional_resources/hutto_ICWSM_2014.tar.gz": inner}, "w:gz")
+    _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz").write_bytes(blob)
+    with pytest.raises(DatasetError, match=r"no readable tweets_GroundTruth\.txt"):
+        load("tweet_sentiment", cache_dir=cache)
+
+
 # ---- determinism and max_train ------------------------------------------------------------------------------
 
 
@@ -272,4 +322,5 @@ def test_unknown_name_and_bad_max_train(cache: Path) -> None:
     for bad in (0, -5, 2.5, True):
         with pytest.raises(DatasetError, match="max_train must be a positive int"):
             load("bbc_news", cache_dir=cache, max_train=bad)  # type: ignore[arg-type]
-    assert NAMES == ("snli", "rotten_tomatoes", "newsgroups", "reuters_r8", "election_tweets", "bbc_news", "amazon_food")
+    assert NAMES == ("snli", "rotten_tomatoes", "newsgroups", "reuters_r8", "election_tweets", "bbc_news", "amazon_food",
+                     "tweet_sentiment", "product_sentiment", "editorial_sentiment")  # fmt: skip

