@@ -1,6 +1,6 @@
 """Pruning the default model: accuracy kept and latency saved, per target task, against the plain backbone.
 
-    python -m benchmarks.prune [--targets amazon_food newsgroups] [--keep-top 2] [--rounds 60] [--test-limit N]
+    python -m benchmarks.prune [--targets amazon_food editorial_sentiment] [--keep-top 2] [--rounds 60] [--test-limit N]
 
 For each target task: calibrate the fusion on the dev split (``fusionserve calibrate``), prune with the options
 below (``fusionserve prune``, only the target served so that no other task keeps the dropped adapters in the
