@@ -18,7 +18,8 @@
 #                    configuration the build sees (the local build mounts the host's, which has the CPU wheel)
 #   SPEC             a spec file inside the build context (default: the built-in model)
 #   PRECISION        fp32 | fp16 | int8 (default fp16 for gpu, fp32 for cpu; int8: CPU only, off by default, see README)
-#   MAX_SEQ_LEN      default 128, the built-in model's; empty: the tokenizer's limit
+#   MAX_SEQ_LEN      a token limit for the export; empty (default): the spec's max_seq_len (64 for the built-in
+#                    model, which is trained and evaluated at 64), else the tokenizer's limit
 #   PARITY_GRID      full (default: every task on the whole shape grid) | quick (see `fusionserve export --help`)
 #   ONNXRUNTIME_GPU  the onnxruntime-gpu release of the gpu variant; its [cuda,cudnn] extras bring the CUDA and
 #                    cuDNN libraries that release was built for, so nothing else needs to match it
@@ -53,7 +54,7 @@ COPY . /src
 ARG VARIANT
 ARG SPEC=fusionserve/default_model/model.yaml
 ARG PRECISION=
-ARG MAX_SEQ_LEN=128
+ARG MAX_SEQ_LEN=
 ARG PARITY_GRID=full
 RUN precision="${PRECISION:-$([ "$VARIANT" = gpu ] && echo fp16 || echo fp32)}" \
     && fusionserve export "$SPEC" --out /artifact --precision "$precision" --parity-grid "$PARITY_GRID" \

@@ -92,3 +92,18 @@ def test_the_build_context_leaves_out_everything_git_ignores():
 
     assert "COPY . /src" in (root / "Dockerfile").read_text()
     assert patterns(".gitignore") <= patterns(".dockerignore"), patterns(".gitignore") - patterns(".dockerignore")
+
+
+def test_the_image_exports_the_built_in_model_at_the_length_it_was_trained_at():
+    import re
+
+    from fusionserve.cli.default import DEFAULT_MODEL, SPEC_FILE
+    from fusionserve.export.spec import load_spec
+
+    text = (Path(__file__).resolve().parent.parent / "Dockerfile").read_text()
+    default = re.search(r"^ARG MAX_SEQ_LEN=(.*)$", text, flags=re.M).group(1).strip()
+    trained = load_spec(DEFAULT_MODEL / SPEC_FILE).max_seq_len
+    # an empty default leaves the limit to the spec; any other default overrides it for every image
+    assert default in ("", str(trained)), (
+        f"ARG MAX_SEQ_LEN={default} exports the built-in model at {default} tokens, not {trained}"
+    )
