@@ -288,10 +288,13 @@ def markdown(result: dict[str, Any], command: str) -> tuple[str, str]:
     for name, per_task in result["dev"].items():
         p, g, q = _pooled(per_task), result["gates"].get(name), result.get("quantized", {}).get(name, {})
         grid = f"{100 * g['label_agreement']:.1f}% / {g['max_probability_change']:.3f}" if g else "-"
-        amazon, other = (per_task[t]["agreement"] if t in per_task else float("nan") for t in TARGETS[:2])
+        # a graph that does not serve a target (the single-task variants) has no figure for it: "-", not nan
+        amazon, other = (
+            f"{per_task[t]['agreement']:.{d}f}" if t in per_task else "-" for t, d in zip(TARGETS[:2], (2, 1), strict=True)
+        )
         lines.append(
-            f"| {name} | {p['examples']} | {p['agreement']:.2f} | {p['min_agreement']:.1f} ({p['lowest']}) | {amazon:.2f} "
-            f"| {other:.1f} | {q.get('MatMul', '?')} / {q.get('Attention', '?')} | {q.get('int8_weights', 0):,} | {grid} |"
+            f"| {name} | {p['examples']} | {p['agreement']:.2f} | {p['min_agreement']:.1f} ({p['lowest']}) | {amazon} "
+            f"| {other} | {q.get('MatMul', '?')} / {q.get('Attention', '?')} | {q.get('int8_weights', 0):,} | {grid} |"
         )
     reached = [n for n, t in result["dev"].items() if t.get(TARGETS[0], {}).get("agreement", 0) >= 99]
     lines += [
