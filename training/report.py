@@ -277,6 +277,7 @@ def _markdown(results: dict[str, Any], logs: dict[str, Any], max_seq_len: int, n
     sep = "|---" * (len(COLUMNS) + 2) + "|"
     related = "; ".join(f"`{t}` with {', '.join(f'`{a}`' for a in RELATED.get(t, ()))}" for t in targets)
     unrelated = ", ".join(f"`{a}`" for a in SOURCES if not any(a in RELATED.get(t, ()) for t in targets)) or "none"
+    unused = " and ".join(t for t in targets if t in TEST_PLUS_UNUSED)  # targets whose test also holds unused train
     out = [
         "# Default model: evaluation",
         "",
@@ -350,9 +351,8 @@ def _markdown(results: dict[str, Any], logs: dict[str, Any], max_seq_len: int, n
     out += ["## Data", "",
             "Splits as `fusionserve.training.datasets` documents them; a source's training set is a stratified sample "
             "of its train split, a target's training sets are prefixes of one label-balanced order of its train split. "
-            "A target's test set is its test split" + "".join(f"; for {' and '.join(plus)} it also holds the "
-            "train examples the learning curve never reaches (never trained or selected on)" for plus in [tuple(t for t in
-            targets if t in TEST_PLUS_UNUSED)] if plus) + ".", ""]  # fmt: skip
+            "A target's test set is its test split" + (f"; for {unused} it also holds the train examples the learning "
+            "curve never reaches (never trained or selected on)" if unused else "") + ".", ""]  # fmt: skip
     if notes:
         out += ["## Departures from the paper's recipe", "", *(f"- {n}" for n in notes), ""]
     return "\n".join(out)
