@@ -283,7 +283,7 @@ def stop() -> None:
 
 def serve_forever(cfg: ServerConfig) -> None:
     """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. While starting, either signal is an interruption
-    (KeyboardInterrupt, then the same clean-up); the handlers go in again once Ray is up, because Ray's start-up
+    (``_Interrupted``, then the same clean-up); the handlers go in again once Ray is up, because Ray's start-up
     replaces them with its own, which prints a crash-style report and ends the process without cleaning up (HAProxy
     and some of Ray's processes then outlived the server). Raises what ``start`` raises, after cleaning up."""
 
@@ -293,7 +293,7 @@ def serve_forever(cfg: ServerConfig) -> None:
     _on_signals(_interrupt)
     try:
         url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt))
-    except KeyboardInterrupt:
+    except _Interrupted:
         _on_signals(lambda *_: None)  # a second signal must not cut the clean-up short
         say("interrupted while starting; shutting down")
         stop()
@@ -319,5 +319,12 @@ def _on_signals(handler: Callable[[int, Any], object]) -> None:
         signal.signal(sig, handler)
 
 
+class _Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM while starting. A subclass, not KeyboardInterrupt itself: CPython marks a KeyboardInterrupt
+    that leaves code run by exec() or eval() of a string (dataclasses and namedtuple build methods so, and start-up
+    defines many) as unhandled even when it is caught later, and then ends the process by SIGINT after a clean
+    shutdown (exit -2, no traceback); it checks the exact type."""
+
+
 def _interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise _Interrupted(signal.Signals(signum).name)
