@@ -279,13 +279,24 @@ def test_vader_snippets_binarised_and_split_by_review(cache: Path) -> None:
     _assert_disjoint(tweets)
 
 
-def test_vader_archive_without_the_snippets_names_the_file(cache: Path) -> None:
+@pytest.mark.parametrize(
+    ("inner", "says"),
+    [
+        (_tar_bytes({"hutto_ICWSM_2014/_README_.txt": b"about"}, "w:gz"), "has 0 members matching 'tweets_GroundTruth.txt'"),
+        (b"not a gzip stream", "is not a readable archive (ReadError"),
+    ],
+    ids=["snippets missing", "nested archive corrupt"],
+)
+def test_vader_archive_errors_name_the_nested_archive_and_the_folder_to_delete(cache: Path, inner, says) -> None:
     root = "vaderSentiment-3.3.2/"
-    inner = _tar_bytes({"hutto_ICWSM_2014/_README_.txt": b"about"}, "w:gz")
     blob = _tar_bytes({root + "additional_resources/hutto_ICWSM_2014.tar.gz": inner}, "w:gz")
-    _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz").write_bytes(blob)
-    with pytest.raises(DatasetError, match=r"no readable tweets_GroundTruth\.txt"):
+    sdist = _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz")
+    sdist.write_bytes(blob)
+    with pytest.raises(DatasetError) as info:
         load("tweet_sentiment", cache_dir=cache)
+    shown = f"{sdist}:{root}additional_resources/hutto_ICWSM_2014.tar.gz"
+    assert str(info.value).startswith(f"{shown} {says}"), info.value
+    assert str(info.value).endswith(f"delete {sdist.parent} to fetch it again")
 
 
 # ---- determinism and max_train ------------------------------------------------------------------------------

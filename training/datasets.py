@@ -41,12 +41,10 @@ and fill test, then dev, up to their share of examples. ``max_train`` then keeps
 from __future__ import annotations
 
 import html
-import io
 import json
 import random
 import re
 import sys
-import tarfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -315,20 +313,12 @@ def _vader(name: str, stem: str) -> Callable[[Path, random.Random], Dataset]:
     nested archive: ``ID<TAB>mean rating<TAB>text`` per line; IDs ``<doc>_<sentence>`` group a review's sentences."""
 
     def build(cache_dir: Path, rng: random.Random) -> Dataset:
-        with Archive(fetch(VADER, cache_dir)) as archive:
-            member = archive.find("additional_resources/hutto_ICWSM_2014.tar.gz")
-            inner, where = archive.read(member), f"{archive.path}:{member}"
-        try:
-            with tarfile.open(fileobj=io.BytesIO(inner), mode="r:gz") as tf:
-                fh = tf.extractfile(f"hutto_ICWSM_2014/{stem}_GroundTruth.txt")
-                lines = decode_text(fh.read() if fh is not None else b"").splitlines()
-        except (tarfile.TarError, KeyError, EOFError, OSError) as exc:
-            raise DatasetError(
-                f"{where} has no readable {stem}_GroundTruth.txt ({exc}); delete its folder to fetch it again"
-            ) from exc
+        with Archive(fetch(VADER, cache_dir)) as sdist, sdist.nested("hutto_ICWSM_2014.tar.gz") as snippets:
+            member = snippets.find(f"{stem}_GroundTruth.txt")
+            lines, where = decode_text(snippets.read(member)).splitlines(), f"{snippets.shown}:{member}"
         rows = [line.split("\t") for line in lines if line.strip()]
         if not rows or any(len(r) != 3 for r in rows):
-            raise DatasetError(f"{where}:{stem}_GroundTruth.txt: expected ID, rating and text on every line")
+            raise DatasetError(f"{where}: expected ID, rating and text on every line")
         made = ((r[0].split("_")[0], float(r[1]), r[2]) for r in rows)
         labelled = ((doc, _example(html.unescape(text), "positive" if rating > 0 else "negative")) for doc, rating, text in made
                     if abs(rating) >= VADER_NEUTRAL_BAND)  # fmt: skip

@@ -156,29 +156,40 @@ def _run(package: Package, command: list[str], cwd: Path) -> None:
 
 
 class Archive:
-    """Read-only view of a wheel/zip, an sdist (.tar.gz) or a .deb (its data.tar.*), members found by path suffix."""
+    """Read-only view of a wheel/zip, an sdist (.tar.gz) or a .deb (its data.tar.*), members found by path suffix.
+    An archive stored inside another one opens with :meth:`nested`; its errors name ``<file>:<member>``."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, member: str | None = None, data: bytes | None = None) -> None:
+        self.path = path  # the file fetched: what to delete to fetch it again
+        self.shown = f"{path}:{member}" if member else str(path)
         self._close: Callable[[], None] = lambda: None
-        if not path.name.endswith(ARCHIVE_SUFFIXES):
-            raise DatasetError(f"{path}: unknown archive type; expected a name ending in {', '.join(ARCHIVE_SUFFIXES)}")
+        kind = member or path.name
+        if not kind.endswith(ARCHIVE_SUFFIXES):
+            raise DatasetError(f"{self.shown}: unknown archive type; expected a name ending in {', '.join(ARCHIVE_SUFFIXES)}")
+        source = io.BytesIO(data) if data is not None else path
         # The handles stay open for the Archive's lifetime; __exit__ closes them.
         try:
-            if path.name.endswith((".whl", ".zip")):
-                zf = zipfile.ZipFile(path)
+            if kind.endswith((".whl", ".zip")):
+                zf = zipfile.ZipFile(source)
                 self._close = zf.close
                 self._read: Callable[[str], bytes] = zf.read
                 names = [n for n in zf.namelist() if not n.endswith("/")]
-            elif path.name.endswith(".tar.gz"):
-                names = self._open_tar(tarfile.open(path, "r:gz"))  # noqa: SIM115
+            elif kind.endswith(".tar.gz"):
+                tf = tarfile.open(fileobj=source, mode="r:gz") if data is not None else tarfile.open(path, "r:gz")  # noqa: SIM115
+                names = self._open_tar(tf)
             else:
-                names = self._open_tar(tarfile.open(fileobj=io.BytesIO(_deb_data_tar(path)), mode="r:*"))  # noqa: SIM115
+                blob = data if data is not None else path.read_bytes()
+                names = self._open_tar(tarfile.open(fileobj=io.BytesIO(_deb_data_tar(blob)), mode="r:*"))  # noqa: SIM115
         except _CORRUPT as exc:
             self._close()
             raise self._error(f"is not a readable archive ({type(exc).__name__}: {exc})") from exc
         # tar members of a .deb start with "./"; strip it so every kind is addressed alike.
         self._names = {n.removeprefix("./"): n for n in names}
+
+    def nested(self, suffix: str) -> Archive:
+        """The archive stored as the one member matching ``suffix`` (see :meth:`find`), opened from its bytes."""
+        member = self.find(suffix)
+        return Archive(self.path, member, self.read(member))
 
     def _open_tar(self, tf: tarfile.TarFile) -> list[str]:
         self._close = tf.close
@@ -193,7 +204,7 @@ class Archive:
         return [m.name for m in tf.getmembers() if m.isfile()]
 
     def _error(self, what: str) -> DatasetError:
-        return DatasetError(f"{self.path} {what}; delete {self.path.parent} to fetch it again")
+        return DatasetError(f"{self.shown} {what}; delete {self.path.parent} to fetch it again")
 
     def __enter__(self) -> Archive:
         return self
@@ -222,9 +233,8 @@ class Archive:
             raise self._error(f"has an unreadable member {name!r} ({type(exc).__name__}: {exc})") from exc
 
 
-def _deb_data_tar(path: Path) -> bytes:
+def _deb_data_tar(blob: bytes) -> bytes:
     """The data.tar.* member of a Debian package (an ar archive: 8-byte magic, then 60-byte headers + data)."""
-    blob = path.read_bytes()
     if not blob.startswith(b"!<arch>\n"):
         raise tarfile.ReadError("not an ar archive (no !<arch> magic)")
     pos = 8
