@@ -42,16 +42,14 @@ SEQ = 64  # the default model's token limit (it is trained and served at 64 toke
 
 
 def _data(target: str, folder: Path, test_limit: int | None = None) -> dict[str, Path]:
-    import random
     from dataclasses import replace
 
     from fusionserve.training.datasets import write_jsonl
-    from fusionserve.training.recipe import Recipe, target_data
+    from fusionserve.training.recipe import Recipe, sample, target_data
 
-    dataset = target_data(target, Recipe())  # the test set the model's REPORT.md uses
-    if test_limit and test_limit < len(dataset.test):  # a seeded sample, in the split's order
-        keep = sorted(random.Random(f"prune/{target}").sample(range(len(dataset.test)), test_limit))
-        dataset = replace(dataset, test=tuple(dataset.test[i] for i in keep))
+    recipe = Recipe()
+    dataset = target_data(target, recipe)  # the test set the model's REPORT.md uses; --test-limit: a seeded sample
+    dataset = replace(dataset, test=sample(dataset.test, test_limit or None, recipe.seed, f"prune/{target}"))
     paths = {}
     for split in ("dev", "test"):
         paths[split] = folder / f"{target}_{split}.jsonl"

@@ -148,7 +148,9 @@ def seed_of(*parts: object) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
 
-def _sample(examples: tuple[Example, ...], n: int | None, seed: int, what: str) -> tuple[Example, ...]:
+def sample(examples: tuple[Example, ...], n: int | None, seed: int, what: str) -> tuple[Example, ...]:
+    """``n`` of ``examples`` drawn with a seed of ``what`` and ``seed``, in their order (all of them when ``n`` is None
+    or not smaller): the same on every machine."""
     if n is None or n >= len(examples):
         return examples
     keep = sorted(random.Random(seed_of(what, seed)).sample(range(len(examples)), n))
@@ -175,11 +177,11 @@ def load_data(recipe: Recipe) -> dict[str, Dataset]:
     for name in tqdm(ADAPTERS, desc="load datasets", file=sys.stderr):
         if name in SOURCES:
             ds = datasets.load(name, max_train=recipe.max_train[name], seed=recipe.seed)
-            dev = _sample(ds.dev, recipe.max_dev, recipe.seed, f"{name}/dev")
+            dev = sample(ds.dev, recipe.max_dev, recipe.seed, f"{name}/dev")
         else:
             ds = target_data(name, recipe)
-            dev = _sample(ds.dev, recipe.max_target_dev, recipe.seed, f"{name}/dev")
-        out[name] = replace(ds, dev=dev, test=_sample(ds.test, recipe.max_test, recipe.seed, f"{name}/test"))
+            dev = sample(ds.dev, recipe.max_target_dev, recipe.seed, f"{name}/dev")
+        out[name] = replace(ds, dev=dev, test=sample(ds.test, recipe.max_test, recipe.seed, f"{name}/test"))
     return out
 
 
