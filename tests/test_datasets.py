@@ -167,8 +167,13 @@ def _make_amazon(cache: Path, train_n: int = 50, test_n: int = 20) -> None:
     _slot(cache, datasets.MODELDATA, "r-cran-modeldata_1.1.0-1_all.deb").write_bytes(deb)
 
 
-def _make_vader(cache: Path) -> None:
-    """vaderSentiment's sdist: the rated snippets sit in a tar.gz inside the tar.gz."""
+VADER_ROOT = "vaderSentiment-3.3.2/"
+VADER_INNER = f"{VADER_ROOT}additional_resources/hutto_ICWSM_2014.tar.gz"
+
+
+def _make_vader(cache: Path, inner: bytes | None = None) -> Path:
+    """vaderSentiment's sdist: the rated snippets sit in a tar.gz inside the tar.gz (``inner``: that archive's bytes
+    instead of the made-up snippets). Returns the sdist's path."""
     product = [
         f"{doc}_{i}\t{(1.5 if (doc + i) % 3 else -2.0):.2f}\treview {doc} sentence {i} &amp; more"
         for doc in range(20)
@@ -176,18 +181,18 @@ def _make_vader(cache: Path) -> None:
     ]
     product += ["20_1\t0.3\tnear neutral, dropped", "20_2\t-0.5\texactly half a point below neutral", "20_3\t2.0\t   "]
     tweets = [f"{i}\t{2.0 if i % 4 else -1.0}\ttweet {i} :)" for i in range(40)]
-    inner = _tar_bytes(
-        {
-            "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt": "\n".join(product).encode(),
-            "hutto_ICWSM_2014/tweets_GroundTruth.txt": ("\n".join(tweets) + "\n").encode(),
-        },
-        "w:gz",
-    )
-    root = "vaderSentiment-3.3.2/"
-    blob = _tar_bytes(
-        {root + "PKG-INFO": b"Name: vaderSentiment", root + "additional_resources/hutto_ICWSM_2014.tar.gz": inner}, "w:gz"
-    )
-    _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz").write_bytes(blob)
+    if inner is None:
+        inner = _tar_bytes(
+            {
+                "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt": "\n".join(product).encode(),
+                "hutto_ICWSM_2014/tweets_GroundTruth.txt": ("\n".join(tweets) + "\n").encode(),
+            },
+            "w:gz",
+        )
+    blob = _tar_bytes({f"{VADER_ROOT}PKG-INFO": b"Name: vaderSentiment", VADER_INNER: inner}, "w:gz")
+    sdist = _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz")
+    sdist.write_bytes(blob)
+    return sdist
 
 
 # ---- the loaders ------------------------------------------------------------------------------------------
@@ -288,13 +293,10 @@ def test_vader_snippets_binarised_and_split_by_review(cache: Path) -> None:
     ids=["snippets missing", "nested archive corrupt"],
 )
 def test_vader_archive_errors_name_the_nested_archive_and_the_folder_to_delete(cache: Path, inner, says) -> None:
-    root = "vaderSentiment-3.3.2/"
-    blob = _tar_bytes({root + "additional_resources/hutto_ICWSM_2014.tar.gz": inner}, "w:gz")
-    sdist = _slot(cache, datasets.VADER, "vaderSentiment-3.3.2.tar.gz")
-    sdist.write_bytes(blob)
+    sdist = _make_vader(cache, inner)
     with pytest.raises(DatasetError) as info:
         load("tweet_sentiment", cache_dir=cache)
-    shown = f"{sdist}:{root}additional_resources/hutto_ICWSM_2014.tar.gz"
+    shown = f"{sdist}:{VADER_INNER}"
     assert str(info.value).startswith(f"{shown} {says}"), info.value
     assert str(info.value).endswith(f"delete {sdist.parent} to fetch it again")
 
