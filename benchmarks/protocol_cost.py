@@ -23,16 +23,18 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
 
 from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving.artifact import load_artifact
+from fusionserve.serving.artifact import Artifact, load_artifact
 from fusionserve.serving.batching import JobResult, TaskResult
 from fusionserve.serving.classify import Classifier, parse_json
 from fusionserve.serving.grpc_ingress import classify_grpc
 from fusionserve.serving.metrics import Metrics
+from fusionserve.serving.runtime import Served
 from fusionserve.serving.schemas import ClassifyRequest, HTTPError, Limits
 
 TEXT = "the plot is thin but the actors carry it well enough to keep you watching"
@@ -41,13 +43,14 @@ TEXT = "the plot is thin but the actors carry it well enough to keep you watchin
 class FixedScheduler:
     """Stands in for the batching scheduler: answers every request with the same logits at once."""
 
-    def __init__(self, num_labels: int) -> None:
+    def __init__(self, artifact: Artifact, num_labels: int) -> None:
         self.logits = np.linspace(-1.0, 1.0, num_labels, dtype=np.float32)
+        self.runner = SimpleNamespace(served=Served(artifact, {}), artifact=artifact)  # what the classifier reads
 
     def check_room(self) -> None:
         return None
 
-    async def submit(self, tasks: list[str], inputs: tuple) -> JobResult:
+    async def submit(self, tasks: list[str], inputs: tuple, served: object = None) -> JobResult:
         n = len(inputs)
         results = {t: TaskResult(np.tile(self.logits, (n, 1)), None) for t in tasks}
         return JobResult(results, [False] * n, 0.0, 1)
@@ -57,7 +60,7 @@ def paths(art: str, task: str | None, n: int) -> tuple[dict[str, Callable[[], ob
     """One coroutine factory per protocol for a request of ``n`` copies of TEXT."""
     artifact = load_artifact(art)
     task = task or next(iter(artifact.tasks))
-    core = Classifier(artifact, None, FixedScheduler(len(artifact.tasks[task].labels)), Limits(), Metrics())  # type: ignore[arg-type]
+    core = Classifier(None, FixedScheduler(artifact, len(artifact.tasks[task].labels)), Limits(), Metrics())  # type: ignore[arg-type]
     body = orjson.dumps({"task": task, "inputs": [TEXT] * n})
     wire = pb.ClassifyRequest(task=task, inputs=[pb.Input(text=TEXT)] * n).SerializeToString()
     where = {"replica": "r", "node": "n"}

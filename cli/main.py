@@ -15,6 +15,7 @@ from .model_commands import add_export, add_inspect, add_predict
 from .pruning_commands import add_pruning
 from .score_command import add_score
 from .serve_command import add_serve
+from .tasks_command import add_tasks
 
 # A missing module -> the extra that brings it. Modules every command needs depend on the command (``needs``).
 _MODULE_EXTRAS = {"torch": "export", "transformers": "export", "onnx": "export", "safetensors": "export",
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fusionserve", description="Serve AdapterFusion models trained with AdapterHub.")
     p.add_argument("--version", action="version", version=f"fusionserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (add_export, add_predict, add_score, add_serve, add_pruning, add_inspect):
+    for add in (add_export, add_predict, add_score, add_serve, add_pruning, add_inspect, add_tasks):
         add(sub)
     return p
 

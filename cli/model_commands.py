@@ -45,6 +45,12 @@ def add_export(sub: Any) -> None:
         help="full: every task at every (batch, sequence) of the grid; quick: the whole grid for one task of each kind "
         "and one padded case for every other task (default full)",
     )
+    ex.add_argument(
+        "--live",
+        action="store_true",
+        help="keep every task's weights beside the graph, not in it, so that `fusionserve tasks` can add, replace and "
+        "remove tasks later and a running server picks them up (docs/guides/live-tasks.md)",
+    )
     ex.set_defaults(run=run_export, needs="export")
 
 
@@ -88,6 +94,7 @@ def run_export(args: argparse.Namespace) -> int:
         tasks=args.tasks,
         parity_grid=args.parity_grid,
         int8=int8_options(args),
+        live=args.live,
     )
     print(
         f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "

@@ -19,8 +19,10 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
 from fusionserve.serving.runtime import make_session
+from fusionserve.serving.tables import WithTables, stack, table_specs
 
 from .build import Dropped
+from .live import graph_tables, write_first_revision
 from .model import FusionModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
 from .quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
@@ -145,12 +147,14 @@ def _validated_graph(
     step: _Steps,
     grid: str,
     int8: Int8Options,
+    live: bool = False,
 ) -> tuple[Any, FusionReport, Any, dict[str, Any] | None]:
     """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 record).
-    int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph.
+    int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph. ``live``: the per-task
+    tensors are graph inputs (``live.py``), fed from the model's own tasks for the checks.
     Raises ExportError, ParityError or Int8GateError."""
     raw = work / "raw.onnx"
-    export_raw(model, raw, opset)
+    export_raw(model, raw, opset, live)
     step("ONNX exported")
     graph_precision = "fp32" if precision == "int8" else precision  # int8 starts from the validated fp32 graph
     report: FusionReport = optimize(raw, work / MODEL_FILE, model, graph_precision)
@@ -160,6 +164,9 @@ def _validated_graph(
     if report.missing:
         print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
     session = make_session(work / MODEL_FILE, device="cpu")
+    tables = _live_tables(session, model) if live else None
+    if tables is not None:
+        session = WithTables(session, tables)
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
         parity = check_parity(session, model, graph_precision, max_seq_len, progress=bar.update, grid=grid)
@@ -170,6 +177,11 @@ def _validated_graph(
     session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress)
     step(f"int8 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
     return session, report, parity, record
+
+
+def _live_tables(session: Any, model: FusionModel) -> dict[str, Any]:
+    specs = table_specs(session)
+    return stack(graph_tables(model, specs), specs)
 
 
 def _publish(work: Path, out: Path, manifest: dict[str, Any], step: _Steps) -> dict[str, Any]:
@@ -198,6 +210,7 @@ def export_artifact(
     pruning: dict[str, Any] | None = None,
     parity_grid: str = "full",
     int8: Int8Options = DEFAULT_OPTIONS,
+    live: bool = False,
 ) -> dict[str, Any]:
     """Export a spec to an artifact folder and return its manifest. ``tasks`` serves only those tasks of the spec;
     ``dropped`` prunes fusions (see ``build.build_model``) and ``pruning`` is recorded in the manifest with it;
@@ -206,7 +219,9 @@ def export_artifact(
 
     Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
     Runtime disagrees with PyTorch beyond the tolerance), Int8GateError (the int8 graph departs from the fp32 one
-    beyond the gate) or FusionServeError (bad options, existing folder)."""
+    beyond the gate) or FusionServeError (bad options, existing folder). ``live``: the tasks are revisions beside one
+    graph (``live.py``; ``fusionserve tasks`` adds, replaces and removes them later).
+    """
     out = Path(out).resolve()
     _check_options(precision, opset, out, force)
     if parity_grid not in GRIDS:
@@ -220,7 +235,7 @@ def export_artifact(
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
         session, report, parity, int8_record = _validated_graph(
-            work, model, precision, opset, max_seq_len, step, parity_grid, int8
+            work, model, precision, opset, max_seq_len, step, parity_grid, int8, live
         )
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():
@@ -234,6 +249,8 @@ def export_artifact(
         if pruning is not None:
             manifest["pruning"] = pruning
         manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}
+        if live:
+            manifest["live"] = write_first_revision(work, spec, model, session.session, {"parity": manifest["parity"]})
         manifest = _publish(work, out, manifest, step)
     finally:
         step.bar.close()

@@ -201,17 +201,44 @@ def _task_infos(m: _Loaded, per_site: dict[str, list[tuple[str, ...]]]) -> list[
     return infos
 
 
-def build_model(spec: ModelSpec, dropped: Dropped | None = None) -> FusionModel:
+def _fixed(m: _Loaded, names: Sequence[str], stacks: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Stacks given from outside (a live artifact's, which a new task must fit: ``tasks.py``), checked against what
+    every task of the spec mixes. Raises SpecError naming the task, the adapter and the layer that does not fit."""
+    if len(stacks) != len(m.sites):
+        raise SpecError(f"the artifact has {len(stacks)} fusion layers; these checkpoints make {len(m.sites)}")
+    for task in m.spec.tasks:
+        for row, site in enumerate(m.sites):
+            for a in m.mixed(task, row):
+                if a not in names:
+                    raise SpecError(
+                        f"task '{task}' uses adapter '{a}', which the artifact does not hold (it holds: {', '.join(names)})"
+                    )
+                if site in m.adapters[a].sites and a not in stacks[row]:
+                    raise SpecError(
+                        f"task '{task}' mixes adapter '{a}' at {site}, where the artifact does not serve it (pruned from "
+                        f"that layer: it serves {', '.join(stacks[row]) or 'none'} there); export again to serve it"
+                    )
+    return tuple(names), [tuple(stack) for stack in stacks]
+
+
+def build_model(
+    spec: ModelSpec,
+    dropped: Dropped | None = None,
+    stacks: tuple[Sequence[str], Sequence[Sequence[str]]] | None = None,
+) -> FusionModel:
     """Load every checkpoint a spec names and assemble the folded model (``dropped``: see the module docstring).
+    ``stacks``: (served adapters, per site its stack) to fold the tasks over, instead of the stacks the spec's tasks
+    make (a live artifact's: see ``_fixed``).
 
     Raises SpecError or CheckpointError: a fusion naming an adapter the spec lacks, hidden sizes or architectures
-    that disagree, missing weights, unsupported configurations, pruning of a task without fusion.
+    that disagree, missing weights, unsupported configurations, pruning of a task without fusion, a task that does
+    not fit the given stacks.
     """
     m = _load(spec, dropped)
-    names, stacks = _stacks(m)
+    names, stacks_ = _stacks(m) if stacks is None else _fixed(m, *stacks)
     blocks: list[nn.Module] = [PlainBlock() for _ in range(2 * m.backbone.n_layers)]
     per_site: dict[str, list[tuple[str, ...]]] = {task: [] for task in spec.tasks}
-    for row, (site, stack_names) in enumerate(zip(m.sites, stacks, strict=True)):
+    for row, (site, stack_names) in enumerate(zip(m.sites, stacks_, strict=True)):
         if not stack_names:
             for task in spec.tasks:
                 per_site[task].append(())
@@ -224,4 +251,4 @@ def build_model(spec: ModelSpec, dropped: Dropped | None = None) -> FusionModel:
         blocks[site.index] = AdapterLayerBlock(stack, first.non_linearity, folded, ln_before=first.ln_before)
     infos = _task_infos(m, per_site)
     head_modules = [ClassificationHead(m.heads[task]) for task in spec.tasks]
-    return FusionModel(m.backbone, blocks, head_modules, infos, names, m.sites, stacks)
+    return FusionModel(m.backbone, blocks, head_modules, infos, names, m.sites, stacks_)

@@ -31,7 +31,7 @@ pass serves a batch mixing tasks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,29 +112,38 @@ def fold_nothing(stack: Sequence[AdapterLayer], r: int) -> TaskLayer:
     return TaskLayer(zeros, zeros[:, 0], zeros[: n * r].T, zeros[:n], torch.full((n,), MASKED, dtype=torch.float64), 0.0, False)
 
 
-def _rows(stacked: torch.Tensor, task_id: torch.Tensor, inner: int) -> torch.Tensor:
+def _rows(stacked: torch.Tensor, task_id: torch.Tensor, inner: int, gather: bool = False) -> torch.Tensor:
     """Each row's slice of a per-task tensor (tasks, *rest), shaped (k, 1 x ``inner``, *rest) to broadcast against
     (batch, seq, ...): ``task_id`` holds one task for the batch (k = 1) or one per row (k = batch). With a single
-    task the slice is a constant (*rest), so that graph keeps plain weights."""
-    if stacked.shape[0] == 1:
+    task the slice is a constant (*rest), so that graph keeps plain weights, unless ``gather`` (the tables are graph
+    inputs whose task count changes: ``live.py``)."""
+    if stacked.shape[0] == 1 and not gather:
         return stacked[0]
     picked = stacked.index_select(0, task_id)  # (k, *rest)
     return picked.reshape(picked.shape[0], *([1] * inner), *stacked.shape[1:])
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, task_id: torch.Tensor) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, task_id: torch.Tensor, gather: bool = False
+) -> torch.Tensor:
     """x (batch, seq, in) through each row's task weights w (tasks, out, in) and bias b (tasks, out)."""
-    if w.shape[0] == 1:
+    if w.shape[0] == 1 and not gather:
         return F.linear(x, w[0], None if b is None else b[0])
     y = torch.matmul(x, w.index_select(0, task_id).transpose(1, 2))  # (batch, seq, out): a batched GEMM per row
-    return y if b is None else y + _rows(b, task_id, 1)
+    return y if b is None else y + _rows(b, task_id, 1, gather)
 
 
 class PlainBlock(nn.Module):
     """No adapter at this site: the pretrained output LN(f + a) for every task."""
 
     def forward(
-        self, mm: torch.Tensor, bias: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
+        self,
+        mm: torch.Tensor,
+        bias: torch.Tensor,
+        a: torch.Tensor,
+        ln: nn.LayerNorm,
+        task_id: torch.Tensor,
+        tables: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return ln(mm + bias + a), None
 
@@ -153,6 +162,7 @@ class AdapterLayerBlock(nn.Module):
     mask: torch.Tensor
     gate: torch.Tensor
     query_before_ln: torch.Tensor
+    TABLES = ("score_w", "score_b", "out_w", "out_b", "mask", "gate", "query_before_ln")  # the per-task buffers
 
     def __init__(self, stack: Sequence[AdapterLayer], act: str, tasks: Sequence[TaskLayer], ln_before: bool = True) -> None:
         super().__init__()
@@ -175,20 +185,31 @@ class AdapterLayerBlock(nn.Module):
         self.any_query_before_ln = any(t.query_before_ln for t in tasks)
 
     def forward(
-        self, mm: torch.Tensor, bias: torch.Tensor, a: torch.Tensor, ln: nn.LayerNorm, task_id: torch.Tensor
+        self,
+        mm: torch.Tensor,
+        bias: torch.Tensor,
+        a: torch.Tensor,
+        ln: nn.LayerNorm,
+        task_id: torch.Tensor,
+        tables: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``tables``: the per-task tensors (``TABLES``) given from outside, every task's (the live graph's inputs);
+        None: this block's own buffers."""
         n, r = self.n, self.r
-        b, t = mm.shape[0], mm.shape[1]  # explicit sizes: ONNX Runtime's symbolic shape inference follows them
+        live = tables is not None
+        t = tables if tables is not None else {k: getattr(self, k) for k in self.TABLES}
+        b, s_len = mm.shape[0], mm.shape[1]  # explicit sizes: ONNX Runtime's symbolic shape inference follows them
         f = mm + bias  # (batch, seq, hidden): the sub-layer output
         x = ln(f + a) if self.ln_before else f  # (batch, seq, hidden)
-        h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).reshape(b, t, n, r)  # (batch, seq, N, r)
-        query = torch.where(_rows(self.query_before_ln, task_id, 2), f, x) if self.any_query_before_ln else x
-        y = _linear(query, self.score_w, self.score_b, task_id)  # (batch, seq, N*r + N)
-        g = y[..., : n * r].reshape(b, t, n, r)  # (batch, seq, N, r)
-        scores = (h * g).sum(-1) + y[..., n * r :] + _rows(self.mask, task_id, 1)  # (batch, seq, N)
-        s = torch.softmax(scores, dim=-1) * _rows(self.gate, task_id, 2)  # (batch, seq, N)
-        mixed = (h * s.unsqueeze(-1)).reshape(b, t, n * r)  # (batch, seq, N*r)
-        o = _linear(mixed, self.out_w, None, task_id) + s @ _rows(self.out_b, task_id, 0)  # (batch, seq, hidden)
+        h = activation(self.act_name)(F.linear(x, self.down_w, self.down_b)).reshape(b, s_len, n, r)  # (batch, seq, N, r)
+        before_ln = live or self.any_query_before_ln  # a live graph's next task may read f
+        query = torch.where(_rows(t["query_before_ln"], task_id, 2, live), f, x) if before_ln else x
+        y = _linear(query, t["score_w"], t["score_b"], task_id, live)  # (batch, seq, N*r + N)
+        g = y[..., : n * r].reshape(b, s_len, n, r)  # (batch, seq, N, r)
+        scores = (h * g).sum(-1) + y[..., n * r :] + _rows(t["mask"], task_id, 1, live)  # (batch, seq, N)
+        s = torch.softmax(scores, dim=-1) * _rows(t["gate"], task_id, 2, live)  # (batch, seq, N)
+        mixed = (h * s.unsqueeze(-1)).reshape(b, s_len, n * r)  # (batch, seq, N*r)
+        o = _linear(mixed, t["out_w"], None, task_id, live) + s @ _rows(t["out_b"], task_id, 0, live)  # (batch, seq, hidden)
         # The bias joins the mix before the projection does: ONNX Runtime's attention fusion recognises the attention
         # block only when the LayerNorm's Add has the projection (MatMul, then Add) on one side and the layer input on
         # the other; LN(o + f + a) would hide the projection behind the adapters' Add (Houlsby: no Attention fused).

@@ -8,6 +8,7 @@ attention pattern ONNX Runtime's transformer optimizer fuses. ``forward`` is pur
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,25 @@ class TaskInfo:
     labels: tuple[str, ...]
     adapters: tuple[str, ...]  # fusion: in the fusion's order (the activation columns); adapter: one name
     adapters_per_layer: tuple[tuple[str, ...], ...]  # which of them act at each fusion site (leave_out removes some)
+
+
+HEAD_TABLES = "task.head."  # prefix of the live graph's head tables: w0, b0, w1, b1, ...
+
+
+@dataclass(frozen=True)
+class HeadForm:
+    """What every head of a live graph shares: the stacked head tables hold only weights."""
+
+    layers: int
+    activation: str | None
+    use_pooler: bool
+
+    @classmethod
+    def of(cls, head: ClassificationHead) -> HeadForm:
+        return cls(len(head.linears), head.act_name, head.use_pooler)
+
+    def describe(self) -> str:
+        return f"{self.layers} linear layer(s), activation {self.activation}, use_pooler {self.use_pooler}"
 
 
 class ClassificationHead(nn.Module):
@@ -110,11 +130,14 @@ class FusionModel(nn.Module):
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor,
         task_id: torch.Tensor,
+        tables: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, max_labels), zero-padded past the task's labels, and the fusion activations
         (batch, sites, seq, n_adapters) over ``adapter_names``, zero where the task does not mix an adapter.
         ``task_id`` is an int64 tensor of shape (1,), the task of every row, or (batch,), each row's task. Backbones
-        without token types do not read ``token_type_ids`` (the exported graph then has no such input)."""
+        without token types do not read ``token_type_ids`` (the exported graph then has no such input).
+        ``tables``: every per-task tensor by its ``live.table_names`` name (the live graph, whose tasks are inputs);
+        None: the model's own tasks."""
         bb = self.backbone
         h = bb.embed(input_ids, token_type_ids)  # (batch, seq, hidden)
         bias = attention_bias(attention_mask, h.dtype)  # (batch, 1, 1, seq)
@@ -123,17 +146,19 @@ class FusionModel(nn.Module):
             # the projections are computed here, outside the blocks: fp16 export keeps the blocks' nodes in fp32
             dense, ln = bb.attention_output(i)
             ctx = bb.context(i, h, bias)  # (batch, seq, hidden)
-            a, s = self.blocks[2 * i](F.linear(ctx, dense.weight), dense.bias, h, ln, task_id)
+            a, s = self.blocks[2 * i](F.linear(ctx, dense.weight), dense.bias, h, ln, task_id, _block(tables, 2 * i))
             weights.append(s)
             dense, ln = bb.ffn_output(i)
             inner = bb.intermediate(i, a)  # (batch, seq, intermediate)
-            h, s = self.blocks[2 * i + 1](F.linear(inner, dense.weight), dense.bias, a, ln, task_id)
+            h, s = self.blocks[2 * i + 1](F.linear(inner, dense.weight), dense.bias, a, ln, task_id, _block(tables, 2 * i + 1))
             weights.append(s)
         acts = []
         for row, site in enumerate(self.sites):
             s, expand = weights[site.index], getattr(self, f"expand_{row}")
             acts.append(s @ expand if s is not None else h.new_zeros((*h.shape[:2], expand.shape[1])))
         cls = bb.pool(h) if self.use_pooler else h[:, 0]  # (batch, hidden)
+        if tables is not None:
+            return self._live_heads(cls, task_id, tables), torch.stack(acts, dim=1)
         logits = torch.stack([self._padded_head(head, h[:, 0], cls) for head in self.heads])  # (tasks, batch, max_labels)
         if len(self.heads) == 1:
             logits = logits[0]
@@ -142,6 +167,32 @@ class FusionModel(nn.Module):
             pick = rows.reshape(1, -1, 1).expand(1, -1, logits.shape[2])  # (1, batch, max_labels)
             logits = logits.gather(0, pick).squeeze(0)  # (batch, max_labels)
         return logits, torch.stack(acts, dim=1)  # (batch, max_labels), (batch, sites, seq, n_adapters)
+
+    def _live_heads(self, cls: torch.Tensor, task_id: torch.Tensor, tables: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Every row through its own task's head, from the stacked head tables (one head form for all tasks)."""
+        form = self.head_form()
+        x = cls  # (batch, hidden)
+        for j in range(form.layers):
+            w = tables[f"{HEAD_TABLES}w{j}"].index_select(0, task_id)  # (k, out, in): k = 1 or batch
+            b = tables[f"{HEAD_TABLES}b{j}"].index_select(0, task_id)  # (k, out)
+            x = torch.matmul(x.unsqueeze(1), w.transpose(1, 2)).squeeze(1) + b  # (batch, out)
+            if j < form.layers - 1 and form.activation is not None:
+                x = activation(form.activation)(x)
+        return x  # (batch, max_labels)
+
+    def head_form(self) -> HeadForm:
+        """The one head form of every task, which the live graph's stacked head tables need.
+
+        Raises SpecError naming the two tasks whose heads differ."""
+        forms = {name: HeadForm.of(head) for name, head in zip(self.task_index, self.heads, strict=True)}
+        first = next(iter(forms))
+        for name, form in forms.items():
+            if form != forms[first]:
+                raise SpecError(
+                    f"live tasks need one head form for every task: '{first}' has {forms[first].describe()}, "
+                    f"'{name}' has {form.describe()}"
+                )
+        return forms[first]
 
     def _padded_head(self, head: nn.Module, first: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         out = head(pooled if head.use_pooler else first)  # (batch, num_labels)
@@ -175,3 +226,11 @@ class FusionModel(nn.Module):
             return logits
         columns = [self.adapter_names.index(n) for n in info.adapters]
         return logits, acts[..., columns]
+
+
+def _block(tables: Mapping[str, torch.Tensor] | None, index: int) -> dict[str, torch.Tensor] | None:
+    """Block ``index``'s own tables out of the live graph's (by field name), or None."""
+    if tables is None:
+        return None
+    prefix = f"task.blocks.{index}."
+    return {k[len(prefix) :]: v for k, v in tables.items() if k.startswith(prefix)}

@@ -83,23 +83,34 @@ def _drop_duplicate_casts(graph: onnx.GraphProto) -> None:
     graph.node.extend(keep)
 
 
-def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET) -> None:
+def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET, live: bool = False) -> None:
     """Trace the model into ``path`` with the TorchScript exporter (the graph shape the optimizer's BERT
-    patterns expect); dynamic batch and sequence axes. Raises ExportError."""
+    patterns expect); dynamic batch and sequence axes. ``live``: every per-task tensor is a graph input with a dynamic
+    task axis (``live.py``) instead of a stored weight. Raises ExportError (SpecError: heads of several forms, live)."""
     model.eval()  # the tracer restores the wrapper's training flag onto submodules: keep it False
     axes = {name: {0: "batch", 1: "sequence"} for name in INPUTS[:3]}
     axes["task_id"] = {0: "task_rows"}  # 1 (one task for the batch) or batch (a task per row)
     axes |= {"logits": {0: "batch"}, "fusion_activations": {0: "batch", 2: "sequence"}}
+    traced: torch.nn.Module = model
+    sample, names = _sample_inputs(model), list(INPUTS)
+    if live:
+        from .live import LiveGraph, task_tables
+
+        tables = {k: v.clone() for k, v in task_tables(model).items()}  # not the buffers: the tracer tracks tensors
+        traced = LiveGraph(model, list(tables)).eval()  # eval, as the model: see above
+        sample += tuple(tables.values())
+        names += list(tables)
+        axes |= {name: {0: "tasks"} for name in tables}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about python control flow on constant shapes
         try:
             torch.onnx.export(
-                model,
-                _sample_inputs(model),
+                traced,
+                sample,
                 str(path),
                 dynamo=False,
                 opset_version=opset,
-                input_names=list(INPUTS),
+                input_names=names,
                 output_names=list(OUTPUTS),
                 dynamic_axes=axes,
                 do_constant_folding=True,

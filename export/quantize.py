@@ -387,7 +387,7 @@ def int8_graph(
     src, dst = work / MODEL_FILE, work / "int8.onnx"
     backbone = (model.backbone.arch.name, model.backbone.n_layers)
     record: dict[str, Any] = {"quantization": quantize_graph(src, dst, options, backbone)}
-    session = make_session(dst, device="cpu")
+    session = getattr(fp32, "like", lambda s: s)(make_session(dst, device="cpu"))  # a live graph: fed its tables too
     with tqdm(total=count_cases(model, max_seq_len), desc="int8 gate", unit="case", disable=not progress, leave=False) as bar:
         record["gate"] = check_int8(session, fp32, model, max_seq_len, options.gate, bar.update).as_dict()
     record["model_bytes"] = {"fp32": _bytes(src), "int8": _bytes(dst)}

@@ -9,6 +9,7 @@ full. Batching is ``batching.Scheduler``'s: no timer at low load, a token budget
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,11 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusionserve import __version__
+from fusionserve.errors import FusionServeError
 
-from .artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from .artifact import MANIFEST, Artifact, ArtifactError, load_artifact, sha256
 from .batching import BatchLimits, BatchStats, Scheduler
-from .classify import Classifier, log_unexpected, parse_json
+from .classify import Classifier, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc
 from .metrics import Metrics
 from .predictions import TextInput
@@ -42,6 +44,7 @@ app = FastAPI(
 )
 _JSON = "application/json"
 _READY_EVERY_S = 5.0
+_REVISION_POLL_S = 0.25  # how often a replica of a live artifact stats its revision pointer
 _replica: "FusionServe | None" = None  # this process's replica (Serve runs one per process): the fast path's target
 
 
@@ -124,25 +127,50 @@ class FusionServe:
         self, artifact_dir: str, limits: Limits, batch: BatchLimits, threads: int | None, device: str = "auto",
         artifact_sha256: str | None = None,
     ) -> None:  # fmt: skip
-        self.artifact = load_artifact(artifact_dir)
-        _check_identity(self.artifact.folder, artifact_sha256)
+        artifact = load_artifact(artifact_dir)
+        _check_identity(artifact.folder, artifact_sha256)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
             os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
         # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
         # buffers and pads batches to bucket lengths (see serving/runtime.py).
-        runner = OnnxRunner(self.artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)
+        runner = OnnxRunner(artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)
         self.limits = limits
         self.stats = Metrics()
         self.scheduler = Scheduler(runner, batch, self._on_batch)
-        self.core = Classifier(self.artifact, runner.encoder, self.scheduler, limits, self.stats)
+        self.core = Classifier(runner.encoder, self.scheduler, limits, self.stats)
+        self.runner = runner
+        self.stats.revision.set(-1 if runner.served.revision is None else runner.served.revision)
+        if runner.served.revision is not None:  # a live artifact: follow its published revision (serving/revisions.py)
+            threading.Thread(target=self._follow_revisions, name="fusionserve-revisions", daemon=True).start()
         self._ready_at = 0.0
         self.where = _where()
         self._headers = {f"x-fusionserve-{k}": v for k, v in self.where.items()}
         global _replica
         _replica = self
 
+    def _follow_revisions(self) -> None:
+        """Poll the revision pointer (one stat) every ``_REVISION_POLL_S``; load a new revision beside the one served and
+        switch to it between batches. A revision that does not load is logged and counted; the old one stays."""
+        while True:
+            time.sleep(_REVISION_POLL_S)
+            try:
+                if self.runner.refresh():
+                    self.stats.revision.set(self.runner.served.revision or 0)
+                    self.stats.revision_loads.labels("loaded").inc()
+                    log.info("now serving revision %s: %s", self.runner.served.revision, ", ".join(self.runner.artifact.tasks))
+            except FusionServeError as exc:
+                self.stats.revision_loads.labels("failed").inc()
+                log.error("revision not loaded, still serving revision %s: %s", self.runner.served.revision, exc)
+                time.sleep(_REVISION_POLL_S * 10)  # the same failure, checked again a little later
+
+    @property
+    def artifact(self) -> Artifact:
+        """The artifact at the revision served now."""
+        return self.runner.artifact
+
     def _on_batch(self, batch: BatchStats) -> None:
-        self.stats.observe_batch(batch, lambda task: self.artifact.tasks[task].adapters)
+        tasks = self.runner.artifact.tasks  # a task removed meanwhile reports its activations without adapter names
+        self.stats.observe_batch(batch, lambda task: tasks[task].adapters if task in tasks else ())
 
     # --- routes ---------------------------------------------------------------------------------------------
 
@@ -169,16 +197,18 @@ class FusionServe:
         return await classify_grpc(self.core, request, grpc_context, self.where)
 
     @app.get("/v1/tasks")
-    async def tasks(self) -> dict[str, Any]:
-        """Served tasks with their labels and adapters, and the limits."""
-        return {
-            "max_seq_len": self.artifact.max_seq_len,
+    async def tasks(self) -> Response:
+        """Served tasks with their labels and adapters, the limits, and (a live artifact) the revision served."""
+        artifact = self.artifact
+        body = {
+            "revision": artifact.revision,
+            "max_seq_len": artifact.max_seq_len,
             "max_inputs_per_request": self.limits.max_inputs,
             "tasks": {
-                n: {"kind": t.kind, "labels": list(t.labels), "adapters": list(t.adapters)}
-                for n, t in self.artifact.tasks.items()
+                n: {"kind": t.kind, "labels": list(t.labels), "adapters": list(t.adapters)} for n, t in artifact.tasks.items()
             },
         }
+        return _json(body, headers=self._headers)
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:

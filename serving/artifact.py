@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import FusionServeError
+
+from . import revisions
 
 FORMAT = "fusionserve-artifact"
 FORMAT_VERSION = 1
@@ -51,9 +53,13 @@ class TaskEntry:
 
 @dataclass(frozen=True)
 class Artifact:
+    """An artifact as one revision sees it: a live artifact's tasks are its revision's (``revisions.py``)."""
+
     folder: Path
     manifest: dict[str, Any]
     tasks: dict[str, TaskEntry]
+    revision: int | None = None  # None: not live (the tasks are baked into the graph)
+    task_files: dict[str, tuple[str, str]] = field(default_factory=dict)  # live: task -> (file, sha256)
 
     @property
     def model_path(self) -> Path:
@@ -87,8 +93,9 @@ def is_artifact(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
-def load_artifact(folder: str | Path, verify: bool = True) -> Artifact:
-    """Read and check an artifact folder; raises ArtifactError naming the file and what is wrong."""
+def load_artifact(folder: str | Path, verify: bool = True, revision: int | None = None) -> Artifact:
+    """Read and check an artifact folder; a live one at ``revision`` (default: the one published). Raises
+    ArtifactError naming the file and what is wrong (RevisionError for a live artifact's revision files)."""
     folder = Path(folder).resolve()
     path = folder / MANIFEST
     if not folder.is_dir():
@@ -117,16 +124,28 @@ def load_artifact(folder: str | Path, verify: bool = True) -> Artifact:
             raise ArtifactError(f"{folder}: {name} is missing (the manifest lists it)")
         if verify and sha256(f) != digest:
             raise ArtifactError(f"{f}: checksum differs from the manifest; the file was changed after export")
-    tasks = {}
+    if not revisions.is_live(folder):
+        return Artifact(folder, manifest, task_entries(manifest["tasks"], path))
+    number = revisions.current(folder) if revision is None else revision
+    doc = revisions.read(folder, number)
+    files = {name: (t["file"], t["sha256"]) for name, t in doc["tasks"].items()}
+    return Artifact(folder, manifest, task_entries(doc["tasks"], revisions.revision_path(folder, number)), number, files)
+
+
+def task_entries(tasks: Any, path: Path) -> dict[str, TaskEntry]:
+    """The tasks of a manifest (or of a revision) by name; raises ArtifactError naming ``path`` when malformed."""
+    entries = {}
     try:
-        for name, t in manifest["tasks"].items():
+        for name, t in tasks.items():
             per_layer = tuple(tuple(layer) for layer in t.get("adapters_per_layer", ()))
-            tasks[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer)
+            entries[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path}: field 'tasks' is malformed ({exc!r})") from None
-    if not tasks:
+    if not entries:
         raise ArtifactError(f"{path}: field 'tasks' is empty")
-    return Artifact(folder, manifest, tasks)
+    if sorted(e.index for e in entries.values()) != list(range(len(entries))):
+        raise ArtifactError(f"{path}: field 'tasks': the indices must be 0..{len(entries) - 1}, each once")
+    return entries
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:

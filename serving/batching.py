@@ -32,7 +32,7 @@ from fusionserve.errors import FusionServeError
 
 from .activations import token_means
 from .predictions import TextInput
-from .runtime import OnnxRunner
+from .runtime import OnnxRunner, Served
 from .tokenize import Tokens
 
 
@@ -118,6 +118,7 @@ class _Job:
     future: asyncio.Future[JobResult]
     loop: asyncio.AbstractEventLoop
     arrived_s: float
+    served: Served  # the artifact revision it was admitted on, and is answered from
     logits: list[np.ndarray | None] = field(default_factory=list)
     acts: list[np.ndarray | None] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
@@ -180,9 +181,10 @@ class Scheduler:
         with self._lock:
             return len(self._queue)
 
-    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput]) -> JobResult:
-        """Classify ``inputs`` for ``task`` (or for each of several tasks). Raises Overloaded when ``max_queued``
-        requests already wait, and what the tokenizer or the runner raises for this request's rows."""
+    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput], served: Served | None = None) -> JobResult:
+        """Classify ``inputs`` for ``task`` (or for each of several tasks) on ``served`` (default: the runner's latest
+        revision; a batch never mixes revisions). Raises Overloaded when ``max_queued`` requests already wait, and what
+        the tokenizer or the runner raises for this request's rows."""
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -191,7 +193,7 @@ class Scheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
-        job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter())
+        job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter(), served or self.runner.served)
         self._tokenize.submit(self._enqueue, job, inputs)
         return await job.future
 
@@ -241,12 +243,15 @@ class Scheduler:
                 continue
 
     def _take(self) -> list[_Row]:
-        """The next batch (under the lock): the oldest rows, of any tasks, within the limits."""
+        """The next batch (under the lock): the oldest rows, of any tasks, within the limits, all of one revision (the
+        oldest row's: rows of a newer one wait for the next batch)."""
         queue, longest = self._queue, 0
         rows: list[_Row] = []
         now = time.perf_counter()
         while queue and len(rows) < self.limits.max_batch_size:
             row = queue[0]
+            if rows and row.job.served is not rows[0].job.served:
+                break
             width = self.runner.padded_length(max(longest, row.tokens.length))
             if rows and width * (len(rows) + 1) > self.limits.max_batch_tokens:
                 break
@@ -270,7 +275,8 @@ class Scheduler:
         started = time.perf_counter()
         enc = self.runner.encoder.pad([r.tokens for r in rows])
         tasks = [r.task for r in rows]
-        out = self.runner.run_rows(tasks, enc, return_fusion_activations=True)  # fusion rows always report them
+        # fusion rows always report their activations
+        out = self.runner.run_rows(tasks, enc, return_fusion_activations=True, served=rows[0].job.served)
         acts: list[np.ndarray | None] = []
         for k, a in enumerate(out.fusion_activations):  # a: (layers, seq, task adapters); seq may be its group's width
             if a is None:

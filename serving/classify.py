@@ -71,8 +71,13 @@ def answer(task: str, entry: TaskEntry, result: TaskResult, truncated: list[bool
 class Classifier:
     """The replica's classify path behind every ingress; records each call in the metrics."""
 
-    def __init__(self, artifact: Artifact, encoder: Encoder, scheduler: Scheduler, limits: Limits, stats: Metrics) -> None:
-        self.artifact, self.encoder, self.scheduler, self.limits, self.stats = artifact, encoder, scheduler, limits, stats
+    def __init__(self, encoder: Encoder, scheduler: Scheduler, limits: Limits, stats: Metrics) -> None:
+        self.encoder, self.scheduler, self.limits, self.stats = encoder, scheduler, limits, stats
+
+    @property
+    def artifact(self) -> Artifact:
+        """The artifact at the revision served now (a live artifact's tasks change with it)."""
+        return self.scheduler.runner.artifact
 
     async def __call__(self, read: Callable[[], Awaitable[ClassifyRequest]], where: str) -> dict[str, Any] | HTTPError:
         """``read`` gets and parses the request (raising HTTPError for what it refuses); returns the answer (one task's,
@@ -83,11 +88,12 @@ class Classifier:
         try:
             self.scheduler.check_room()  # before the body is read or parsed: a burst's excess costs least
             req = await read()
-            entries = self._tasks(req.task_names)
+            served = self.scheduler.runner.served  # the revision this request is checked against and answered from
+            entries = self._tasks(req.task_names, served.artifact)
             task = req.task_names[0] if req.task is not None else "multi"
             inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
             self._check(req, inputs, entries)
-            result = await self.scheduler.submit(req.task_names, inputs)
+            result = await self.scheduler.submit(req.task_names, inputs, served)
             with_acts = req.return_fusion_activations
             answers = [answer(e.name, e, result.tasks[e.name], result.truncated, with_acts) for e in entries]
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
@@ -105,12 +111,12 @@ class Classifier:
             self.stats.observe_request(task, 500, time.perf_counter() - started)
             return HTTPError(500, "internal", log_unexpected(where, exc))
 
-    def _tasks(self, names: list[str]) -> list[TaskEntry]:
-        unknown = [t for t in names if t not in self.artifact.tasks]
+    def _tasks(self, names: list[str], artifact: Artifact) -> list[TaskEntry]:
+        unknown = [t for t in names if t not in artifact.tasks]
         if unknown:
             what = f"unknown task '{unknown[0]}'" if len(unknown) == 1 else f"unknown tasks {', '.join(map(repr, unknown))}"
-            raise HTTPError(404, "unknown_task", f"{what}; known tasks: {', '.join(self.artifact.tasks)}")
-        return [self.artifact.tasks[t] for t in names]
+            raise HTTPError(404, "unknown_task", f"{what}; known tasks: {', '.join(artifact.tasks)}")
+        return [artifact.tasks[t] for t in names]
 
     def _check(self, req: ClassifyRequest, inputs: tuple[TextInput, ...], entries: list[TaskEntry]) -> None:
         """The limits and what the tasks allow, before anything is queued."""

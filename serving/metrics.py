@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -100,6 +100,13 @@ class Metrics:
             ["task", "layer", "adapter"], registry=r,
         )  # fmt: skip
         self.act_inputs = Counter(f"{_ACT_INPUTS}_total", "Inputs whose fusion weights were summed", ["task"], registry=r)
+        self.revision = Gauge(
+            "fusionserve_artifact_revision", "Revision of the live artifact a replica serves (-1: not a live artifact)",
+            multiprocess_mode="liveall", registry=r,
+        )  # fmt: skip
+        self.revision_loads = Counter(
+            "fusionserve_revision_loads_total", "Revisions a replica loaded after it started, by result", ["result"], registry=r
+        )
 
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         self._acts: dict[tuple[str, tuple[str, ...]], list[Any]] = {}  # (task, adapters) -> [sums (layers, adapters), inputs]

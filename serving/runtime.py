@@ -22,9 +22,11 @@ import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
 
+from . import revisions
 from .artifact import Artifact, TaskEntry, load_artifact
 from .predictions import TextInput
 from .runner import Output
+from .tables import TaskTables, is_table, table_specs
 from .tokenize import Encoded, Encoder, bucket_length, bucket_lengths
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -106,6 +108,19 @@ def make_session(
 
 
 @dataclass(frozen=True)
+class Served:
+    """What one run answers from: an artifact revision's tasks and (live artifacts) its stacked task tables. A request
+    keeps the one it was admitted with until it is answered, whatever is published meanwhile."""
+
+    artifact: Artifact
+    tables: dict[str, np.ndarray]
+
+    @property
+    def revision(self) -> int | None:
+        return self.artifact.revision
+
+
+@dataclass(frozen=True)
 class RowsOutput:
     """``run_rows``'s answer: per row, its task's logits (num_labels,) and, for a fusion row when asked, its
     activations (layers, seq, task adapters)."""
@@ -169,9 +184,13 @@ class OnnxRunner:
         io_binding: bool | None = None,
         seq_buckets: int | Sequence[int] | None = None,
     ) -> None:
-        self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = make_session(self.artifact.model_path, threads, spin, device)
-        self.encoder = Encoder.from_file(self.artifact.tokenizer_path, self.artifact.max_seq_len, self.artifact.pad_token)
+        first = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+        self.session = make_session(first.model_path, threads, spin, device)
+        self._tables = TaskTables(first.folder, table_specs(self.session))
+        self.served = Served(first, self._tables.load(first))
+        self._stamp = revisions.pointer_stamp(first.folder)
+        self._refresh_lock = threading.Lock()
+        self.encoder = Encoder.from_file(first.tokenizer_path, first.max_seq_len, first.pad_token)
         # a graph with one task and no adapter never reads task_id: the exporter dropped that input
         self._inputs = {i.name for i in self.session.get_inputs()}
         self._task_id_shape = next((tuple(i.shape) for i in self.session.get_inputs() if i.name == "task_id"), ())
@@ -182,6 +201,29 @@ class OnnxRunner:
         buckets = (CUDA_BUCKET if on_cuda else 0) if seq_buckets is None else seq_buckets
         self.bucket_lengths = bucket_lengths(self.artifact.max_seq_len, buckets)
         self._pool = _BindingPool(_POOL_SHAPES)
+
+    @property
+    def artifact(self) -> Artifact:
+        """The artifact as its latest loaded revision has it."""
+        return self.served.artifact
+
+    def refresh(self) -> bool:
+        """Load the revision a live artifact now publishes, when it changed (one ``stat`` when it did not); returns
+        whether the served revision changed. Runs already under way, and requests holding the old ``served``, finish
+        on it. Raises what loading the new revision raises (ArtifactError, RevisionError, TableError), keeping the old."""
+        with self._refresh_lock:
+            folder = self.artifact.folder
+            stamp = revisions.pointer_stamp(folder)
+            if stamp is None or stamp == self._stamp:
+                return False
+            number = revisions.current(folder)
+            if number == self.served.revision:
+                self._stamp = stamp
+                return False
+            new = load_artifact(folder, verify=False, revision=number)  # the graph and tokenizer never change
+            self.served = Served(new, self._tables.load(new))
+            self._stamp = stamp
+            return True
 
     @property
     def labels(self) -> dict[str, tuple[str, ...]]:
@@ -199,18 +241,20 @@ class OnnxRunner:
         """The sequence length a batch padded to ``seq_len`` tokens is run at: its bucket, or itself."""
         return bucket_length(seq_len, self.bucket_lengths)
 
-    def run(self, task: str, encoded: Encoded, return_fusion_activations: bool = False) -> Output:
-        """One forward pass on an encoded batch. Raises ArtifactError for an unknown task."""
-        entry = self.artifact.task(task)
+    def run(self, task: str, encoded: Encoded, return_fusion_activations: bool = False, served: Served | None = None) -> Output:
+        """One forward pass on an encoded batch, on ``served`` (default: the latest revision). Raises ArtifactError for
+        an unknown task."""
+        served = served or self.served
+        entry = served.artifact.task(task)
         if return_fusion_activations and entry.kind != "fusion":
             raise FusionServeError(f"task '{task}' has no fusion layer ({entry.kind} task); there are no fusion activations")
         seq = encoded.input_ids.shape[1]
         padded = self.encoder.pad_to(encoded, self.padded_length(seq))
         feeds = self._feeds(padded, np.array([entry.index]))  # one task for every row: the graph broadcasts it
         names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
-        out = self._run_bound(names, feeds) if self.io_binding else self.session.run(names, feeds)
+        out = self._session_run(names, feeds, served)
         logits = out[0][:, : len(entry.labels)].astype(np.float32)
-        acts = self._columns(out[1][:, :, :seq], entry) if return_fusion_activations else None
+        acts = self._columns(out[1][:, :, :seq], entry, served) if return_fusion_activations else None
         return Output(logits, acts, encoded)
 
     def _feeds(self, padded: Encoded, task_ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -222,9 +266,14 @@ class OnnxRunner:
         }
         return {k: v for k, v in feeds.items() if k in self._inputs}
 
-    def _columns(self, acts: np.ndarray, entry: TaskEntry) -> np.ndarray:
+    def _session_run(self, names: list[str], feeds: dict[str, np.ndarray], served: Served) -> list[np.ndarray]:
+        if self.io_binding:
+            return self._run_bound(names, feeds, served.tables)
+        return list(self.session.run(names, {**feeds, **served.tables}))
+
+    def _columns(self, acts: np.ndarray, entry: TaskEntry, served: Served) -> np.ndarray:
         """The task's own adapters' columns of the graph's fusion activations: (rows, layers, seq, task adapters)."""
-        columns = [self.artifact.adapters.index(a) for a in entry.adapters]
+        columns = [served.artifact.adapters.index(a) for a in entry.adapters]
         return acts[..., columns].astype(np.float32)
 
     @property
@@ -234,36 +283,42 @@ class OnnxRunner:
         shape = self._task_id_shape
         return bool(shape) and shape[0] != 1
 
-    def run_rows(self, tasks: Sequence[str], encoded: Encoded, return_fusion_activations: bool = False) -> RowsOutput:
-        """One batch whose row i is classified for ``tasks[i]``: one forward pass when the graph takes a task per
-        row, else one per task present (rows grouped by task, each group padded to its own longest). Fusion rows get
-        their activations when asked; the others None. Raises ArtifactError for an unknown task."""
+    def run_rows(
+        self, tasks: Sequence[str], encoded: Encoded, return_fusion_activations: bool = False, served: Served | None = None
+    ) -> RowsOutput:
+        """One batch whose row i is classified for ``tasks[i]`` on ``served`` (default: the latest revision): one
+        forward pass when the graph takes a task per row, else one per task present (rows grouped by task, each group
+        padded to its own longest). Fusion rows get their activations when asked; the others None. Raises
+        ArtifactError for an unknown task."""
         if len(tasks) != encoded.input_ids.shape[0]:
             raise ValueError(f"{len(tasks)} tasks for {encoded.input_ids.shape[0]} rows")
-        entries = [self.artifact.task(t) for t in tasks]
+        served = served or self.served
+        entries = [served.artifact.task(t) for t in tasks]
         if len({e.name for e in entries}) == 1 or not self.per_row_tasks:
-            return self._run_grouped(entries, encoded, return_fusion_activations)
+            return self._run_grouped(entries, encoded, return_fusion_activations, served)
         seq = encoded.input_ids.shape[1]
         feeds = self._feeds(self.encoder.pad_to(encoded, self.padded_length(seq)), np.array([e.index for e in entries]))
         wants = return_fusion_activations and any(e.kind == "fusion" for e in entries)
         names = ["logits", "fusion_activations"] if wants else ["logits"]
-        out = self._run_bound(names, feeds) if self.io_binding else self.session.run(names, feeds)
+        out = self._session_run(names, feeds, served)
         logits = [out[0][i, : len(e.labels)].astype(np.float32) for i, e in enumerate(entries)]
         acts = [
-            self._columns(out[1][i : i + 1, :, :seq], e)[0] if wants and e.kind == "fusion" else None
+            self._columns(out[1][i : i + 1, :, :seq], e, served)[0] if wants and e.kind == "fusion" else None
             for i, e in enumerate(entries)
         ]
         return RowsOutput(logits, acts)
 
-    def _run_grouped(self, entries: list[TaskEntry], encoded: Encoded, return_fusion_activations: bool) -> RowsOutput:
+    def _run_grouped(
+        self, entries: list[TaskEntry], encoded: Encoded, return_fusion_activations: bool, served: Served
+    ) -> RowsOutput:
         groups: dict[str, list[int]] = {}
         for i, e in enumerate(entries):
             groups.setdefault(e.name, []).append(i)
         logits: list[np.ndarray | None] = [None] * len(entries)
         acts: list[np.ndarray | None] = [None] * len(entries)
         for task, idx in groups.items():
-            fusion = return_fusion_activations and self.artifact.task(task).kind == "fusion"
-            out = self.run(task, encoded if len(groups) == 1 else encoded.rows(idx), return_fusion_activations=fusion)
+            fusion = return_fusion_activations and served.artifact.task(task).kind == "fusion"
+            out = self.run(task, encoded if len(groups) == 1 else encoded.rows(idx), fusion, served)
             for k, i in enumerate(idx):
                 logits[i] = out.logits[k]
                 acts[i] = None if out.fusion_activations is None else out.fusion_activations[k]
@@ -276,7 +331,7 @@ class OnnxRunner:
 
     # --- IO binding -------------------------------------------------------------------------------------------
 
-    def _run_bound(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _run_bound(self, names: list[str], feeds: dict[str, np.ndarray], tables: dict[str, np.ndarray]) -> list[np.ndarray]:
         batch, seq = feeds["input_ids"].shape
         task_rows = len(feeds["task_id"]) if "task_id" in feeds else 1
         key = (batch, seq, len(names), task_rows)
@@ -284,6 +339,8 @@ class OnnxRunner:
         try:
             for name, value in feeds.items():
                 bound.inputs[name].update_inplace(np.ascontiguousarray(value))
+            for name, value in tables.items():  # a live artifact's task tables: bound per run, as revisions change
+                bound.binding.bind_cpu_input(name, value)
             self.session.run_with_iobinding(bound.binding)
             values = [v.numpy() for v in bound.binding.get_outputs()]
             # on CPU numpy() is a view of the buffer the next run of this shape overwrites: copy it before the buffers
@@ -297,6 +354,8 @@ class OnnxRunner:
         binding = self.session.io_binding()
         inputs = {}
         for i in self.session.get_inputs():
+            if is_table(i.name):
+                continue
             shape = (task_rows,) if i.name == "task_id" else (batch, seq)
             inputs[i.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, _NUMPY_TYPES[i.type], where, 0)
             binding.bind_ortvalue_input(i.name, inputs[i.name])
@@ -321,7 +380,8 @@ class OnnxRunner:
             elif dim in known:
                 dims.append(known[dim])
             elif name == "logits" and i == 1:
-                dims.append(max(len(t.labels) for t in self.artifact.tasks.values()))
+                live = self.artifact.manifest.get("live") or {}  # a live graph's width outlives its revisions' tasks
+                dims.append(int(live.get("logits_width") or max(len(t.labels) for t in self.artifact.tasks.values())))
             else:
                 return None
         return tuple(dims)

@@ -134,13 +134,12 @@ def test_a_full_queue_refuses_at_once_and_the_rest_are_served(runner):
 def test_a_full_queue_refuses_before_the_request_is_read(runner):
     """The classify core asks the scheduler first: a burst's excess is refused without its body being read or
     parsed (held back in Serve's semaphore instead, it got its 503 seconds late)."""
-    from fusionserve.serving.artifact import load_artifact
     from fusionserve.serving.classify import Classifier
     from fusionserve.serving.metrics import Metrics
     from fusionserve.serving.schemas import HTTPError, Limits
 
     sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=1))
-    core = Classifier(load_artifact(runner.artifact.folder), runner.encoder, sched, Limits(), Metrics())
+    core = Classifier(runner.encoder, sched, Limits(), Metrics())
     gate = Gate(runner)
     reads: list[str] = []
 

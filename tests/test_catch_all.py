@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from fusionserve.serving.artifact import load_artifact
 from fusionserve.serving.batching import BatchLimits, Scheduler
 from fusionserve.serving.classify import Classifier
 from fusionserve.serving.metrics import Metrics
@@ -52,7 +51,7 @@ def _the_id(message: str, logged: pytest.LogCaptureFixture, where: str) -> None:
 def test_an_error_in_the_classify_path_is_a_500_with_an_id_that_is_in_the_log(artifacts, logged):
     runner = OnnxRunner(artifacts.fp32, threads=1, device="cpu")
     stats = Metrics()
-    core = Classifier(load_artifact(artifacts.fp32), runner.encoder, Scheduler(runner, BatchLimits()), Limits(), stats)
+    core = Classifier(runner.encoder, Scheduler(runner, BatchLimits()), Limits(), stats)
 
     async def read():
         raise RuntimeError("a bug while reading the request")

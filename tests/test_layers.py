@@ -19,7 +19,8 @@ PACKAGES = {"fusionserve": "fusionserve", "cli": "fusionserve.cli", "export": "f
 BASE = {"fusionserve", "fusionserve.errors", "fusionserve.settings"}
 # serving's light contracts: what the artifact is and how to run it, usable without the HTTP server
 CONTRACTS = {
-    f"fusionserve.serving.{m}" for m in ("artifact", "tokenize", "runtime", "runner", "predictions", "activations", "cluster")
+    f"fusionserve.serving.{m}"
+    for m in ("artifact", "revisions", "tables", "tokenize", "runtime", "runner", "predictions", "activations", "cluster")
 }
 SERVING = "fusionserve.serving"
 # layer -> what it may import besides itself and the base

@@ -1,0 +1,295 @@
+"""``fusionserve tasks``: add, replace and remove a target task of a live artifact (``export --live``) without
+re-tracing anything: the graph stays as it is and only the task tables beside it change (``live.py``).
+
+A new or retrained task is folded over the artifact's own adapter stacks, from AdapterHub checkpoints and the
+export's base model and adapters (found through the spec the manifest records, checked against the manifest's
+checksums). Before a revision is published it passes two checks on the artifact's own graph:
+
+- the task itself against the PyTorch reference (the export's parity gate for its precision; for int8 its label
+  agreement and probability gate), alone over the shape grid and in batches mixing it with every other task;
+- every other task unchanged: a batch of all of them answers bit for bit as it did on the revision before.
+
+Then the task file, the revision document and last the pointer are written (``serving/revisions.py``), all under
+one lock: a refusal or a crash leaves the served revision as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fusionserve.errors import FusionServeError
+from fusionserve.serving import revisions
+from fusionserve.serving.artifact import Artifact, load_artifact, sha256
+from fusionserve.serving.runtime import make_session
+from fusionserve.serving.tables import TaskTables, check_slices, table_specs
+
+from .build import build_model
+from .checkpoint import load_fusion
+from .live import graph_tables, source_of, task_record, write_task_file
+from .model import FusionModel, HeadForm
+from .quantize import Int8Gate
+from .spec import ModelSpec, TaskSpec, load_spec
+from .validate import TOLERANCES, grid_inputs, mixed_cases
+
+_FEEDS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class TasksError(FusionServeError):
+    """A ``tasks`` command refused: the artifact is not live, the name is taken or unknown, a check failed."""
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """A task to add or replace: a head, over a fusion, one adapter, or the frozen backbone alone."""
+
+    name: str
+    head: Path
+    fusion: Path | None = None
+    adapter: str | None = None
+
+
+def _live(folder: Path) -> Artifact:
+    art = load_artifact(folder)
+    if art.revision is None:
+        raise TasksError(
+            f"{folder}: not a live artifact (its tasks are baked into {art.model_path.name}); export it again with --live"
+        )
+    return art
+
+
+def list_tasks(folder: str | Path) -> dict[str, Any]:
+    """The published revision's document. Raises ArtifactError / RevisionError / TasksError."""
+    folder = Path(folder).resolve()
+    art = _live(folder)
+    return revisions.read(folder, art.revision or 0)
+
+
+def _spec(art: Artifact, spec_path: str | Path | None) -> ModelSpec:
+    """The export's spec (or ``spec_path``), its base model and the adapters the artifact serves checked against the
+    manifest's checksums. Raises TasksError naming the file that differs or is missing."""
+    sources = art.manifest["sources"]
+    path = Path(spec_path or sources["spec"]["path"])
+    if not path.is_file():
+        raise TasksError(
+            f"{art.folder}/manifest.json: field 'sources.spec.path' = {str(path)!r}: no such file; the base model and "
+            "adapters of the export are needed to fold a task: pass --spec with the export's spec"
+        )
+    spec = load_spec(path)
+    lacking = [a for a in art.adapters if a not in spec.adapters]
+    if lacking:
+        raise TasksError(f"{path}: lacks adapter(s) {lacking} that the artifact serves; pass the export's spec")
+    root = spec.path.parent
+    folders = [spec.base_model, *(spec.adapters[a] for a in art.adapters)]
+    recorded = sources["files"]
+    for folder in folders:
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            name = str(f.relative_to(root)) if f.is_relative_to(root) else str(f)
+            if name in recorded and sha256(f) != recorded[name]:
+                raise TasksError(f"{f}: differs from the file the artifact was exported from (manifest 'sources.files')")
+    return spec
+
+
+def _reference(art: Artifact, spec: ModelSpec, task: NewTask) -> FusionModel:
+    """The task alone, folded over the artifact's stacks: its tables and its PyTorch reference. Raises SpecError /
+    CheckpointError / TasksError for checkpoints that do not fit the artifact."""
+    if task.fusion is not None:
+        missing = [a for a in load_fusion(task.fusion).adapter_names if a not in art.adapters]
+        if missing:
+            raise TasksError(
+                f"{task.fusion}/adapter_fusion_config.json: field 'adapter_names' names adapter(s) {missing} that the "
+                f"artifact lacks (it holds: {', '.join(art.adapters)})"
+            )
+    if task.adapter is not None and task.adapter not in art.adapters:
+        raise TasksError(f"--adapter {task.adapter!r}: the artifact lacks it (it holds: {', '.join(art.adapters)})")
+    one = TaskSpec(task.name, task.head.resolve(), task.fusion.resolve() if task.fusion else None, task.adapter)
+    model = build_model(replace(spec, tasks={task.name: one}), stacks=(art.adapters, art.manifest["adapters_per_layer"]))
+    live = art.manifest["live"]
+    want, form = HeadForm(**live["head_form"]), model.head_form()
+    if form != want:
+        raise TasksError(
+            f"{task.head}/head_config.json: the head has {form.describe()}; this artifact's heads have {want.describe()}"
+        )
+    labels = len(model.infos[task.name].labels)
+    if labels > live["logits_width"]:
+        raise TasksError(
+            f"{task.head}/head_config.json: field 'config.num_labels' = {labels}: this artifact's logits hold at most "
+            f"{live['logits_width']} labels"
+        )
+    return model
+
+
+def _run(session: Any, feeds: dict[str, np.ndarray], task_id: np.ndarray, tables: dict[str, np.ndarray]) -> list[np.ndarray]:
+    wanted = {i.name for i in session.get_inputs()}
+    feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
+    return session.run(None, {**feed, **tables})
+
+
+def _gate_new(
+    session: Any, model: FusionModel, art: Artifact, tables: dict[str, np.ndarray], index: int, n_tasks: int
+) -> dict[str, Any]:
+    """The new task against its PyTorch reference: alone over the grid, and its rows in batches mixing every task.
+    Raises TasksError with the worst figures when it fails the artifact precision's gate."""
+    precision = art.manifest["precision"]
+    name = next(iter(model.task_index))  # the model holds this one task
+    labels = len(model.infos[name].labels)
+    vocab, max_len = model.backbone.vocab_size, art.max_seq_len
+    runs = [(np.array([index]), case, None) for case in grid_inputs(vocab, max_len)]
+    probe = replace_task_count(model, n_tasks)
+    runs += [(ids, case, ids == index) for ids, case in mixed_cases(probe, max_len)]
+    worst = {"logits": 0.0, "fusion_activations": 0.0}
+    rows = agree = 0
+    prob_change = 0.0
+    for task_id, (_, _, feeds), pick in runs:
+        got = _run(session, feeds, task_id, tables)
+        with torch.inference_mode():
+            want = model(*(torch.from_numpy(feeds[k]) for k in _FEEDS), torch.zeros(1, dtype=torch.long))
+        sel = slice(None) if pick is None else pick
+        real = feeds["attention_mask"][:, None, :, None].astype(bool)[sel]
+        a, b = got[0][sel, :labels].astype(np.float64), want[0][sel, :labels].numpy().astype(np.float64)
+        worst["logits"] = max(worst["logits"], float(np.abs(a - b).max()))
+        acts = np.abs(got[1][sel] * real - want[1].numpy()[sel] * real)
+        worst["fusion_activations"] = max(worst["fusion_activations"], float(acts.max()) if acts.size else 0.0)
+        pa, pb = _softmax(a), _softmax(b)
+        rows += len(pa)
+        agree += int((pa.argmax(-1) == pb.argmax(-1)).sum())
+        prob_change = max(prob_change, float(np.abs(pa - pb).max()))
+    report = {"precision": precision, "cases": len(runs), "max_abs_diff": worst, "label_agreement": agree / rows}
+    report["max_probability_change"] = prob_change
+    if precision == "int8":
+        gate = Int8Gate(**art.manifest["int8"]["gate"]["thresholds"])
+        report["gate"] = {"min_label_agreement": gate.min_label_agreement, "max_probability_change": gate.max_probability_change}
+        ok = agree / rows >= gate.min_label_agreement and prob_change <= gate.max_probability_change
+    else:
+        report["tolerance"] = TOLERANCES[precision]
+        ok = all(limit is None or worst[k] <= limit for k, limit in TOLERANCES[precision].items())
+    if not ok:
+        raise TasksError(
+            f"task '{name}' does not match its PyTorch reference on the "
+            f"artifact's graph ({precision}); nothing published: {json.dumps(report)}"
+        )
+    return report
+
+
+def replace_task_count(model: FusionModel, n_tasks: int) -> Any:
+    """A stand-in with ``n_tasks`` tasks for ``validate.mixed_cases`` (which only counts them)."""
+
+    class _Count:
+        task_index = dict.fromkeys(range(n_tasks), 0)
+        backbone = model.backbone
+
+    return _Count()
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _check_others(
+    session: Any, art: Artifact, old: dict[str, np.ndarray], new: dict[str, np.ndarray], moved: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    """Every unchanged task (name -> (old index, new index)) answers bit for bit as before, in one batch holding them
+    all, at each grid length. Raises TasksError naming the first task that changed."""
+    if not moved:
+        return {"tasks": 0, "identical": True}
+    names = list(moved)
+    batch = max(8, len(names))
+    vocab = int(art.manifest["base_model"]["vocab_size"])
+    cases = grid_inputs(vocab, art.max_seq_len, seed=2, batch_sizes=(batch,))
+    rows = [names[i % len(names)] for i in range(batch)]
+    for _, seq, feeds in cases:
+        before = _run(session, feeds, np.array([moved[n][0] for n in rows]), old)
+        after = _run(session, feeds, np.array([moved[n][1] for n in rows]), new)
+        for out, what in ((0, "logits"), (1, "fusion_activations")):
+            same = np.all(before[out] == after[out], axis=tuple(range(1, before[out].ndim)))
+            if not same.all():
+                bad = rows[int(np.argmin(same))]
+                raise TasksError(f"task '{bad}' would answer differently ({what}, sequence {seq}); nothing published")
+    return {"tasks": len(names), "cases": len(cases), "identical": True}
+
+
+def _publish(
+    folder: Path, art: Artifact, tasks: dict[str, Any], change: dict[str, Any], checks: dict[str, Any]
+) -> dict[str, Any]:
+    """Write the revision after the newest one written (published or not), then move the pointer to it."""
+    number = max([*revisions.numbers(folder), art.revision or 0]) + 1
+    doc = {"revision": number, "parent": art.revision, "change": change, "tasks": tasks, "checks": checks}
+    revisions.write(folder, doc)
+    revisions.publish(folder, number)
+    return revisions.read(folder, number)
+
+
+def add_task(
+    folder: str | Path, task: NewTask, replace_existing: bool = False, spec_path: str | Path | None = None
+) -> dict[str, Any]:
+    """Add ``task`` to a live artifact (or, with ``replace_existing``, swap the weights of the task of that name), as a
+    new published revision; returns its document. Raises TasksError, SpecError, CheckpointError, ArtifactError,
+    RevisionError or TableError; nothing is published then."""
+    folder = Path(folder).resolve()
+    started = time.perf_counter()
+    with revisions.TasksLock(folder):
+        art = _live(folder)
+        taken = task.name in art.tasks
+        if taken and not replace_existing:
+            raise TasksError(f"task '{task.name}' exists (revision {art.revision}); pass --replace to swap its weights")
+        if replace_existing and not taken:
+            raise TasksError(f"--replace: no task '{task.name}' to replace; tasks: {', '.join(art.tasks)}")
+        spec = _spec(art, spec_path)
+        model = _reference(art, spec, task)
+        session = make_session(art.model_path, device="cpu")
+        specs = table_specs(session)
+        slices = graph_tables(model, specs, art.manifest["live"]["logits_width"])[0]
+        check_slices(slices, specs, f"task '{task.name}'")
+        old = TaskTables(folder, specs).load(art)
+        order = sorted(art.tasks, key=lambda n: art.tasks[n].index)
+        index = art.tasks[task.name].index if taken else len(order)
+        new = {k: np.concatenate([v, slices[k][None]]) if not taken else v.copy() for k, v in old.items()}
+        if taken:
+            for k in new:
+                new[k][index] = slices[k]
+        gate = _gate_new(session, model, art, new, index, len(order) + (not taken))
+        moved = {n: (art.tasks[n].index, art.tasks[n].index) for n in order if n != task.name}
+        others = _check_others(session, art, old, new, moved)
+        file, digest = write_task_file(folder, task.name, slices)
+        src = TaskSpec(task.name, task.head.resolve(), task.fusion.resolve() if task.fusion else None, task.adapter)
+        record = task_record(model, task.name, index, file, digest, source_of(replace(spec, tasks={task.name: src}), task.name))
+        tasks = {**_entries(folder, art), task.name: record}
+        change = {"op": "replace" if taken else "add", "task": task.name, "seconds": round(time.perf_counter() - started, 2)}
+        return _publish(folder, art, tasks, change, {"task": gate, "others": others})
+
+
+def remove_task(folder: str | Path, name: str) -> dict[str, Any]:
+    """Remove task ``name`` from a live artifact as a new published revision; returns its document. The other tasks
+    keep their order (their indices close up) and are checked unchanged. Raises TasksError (unknown task, the last
+    task), ArtifactError or RevisionError."""
+    folder = Path(folder).resolve()
+    started = time.perf_counter()
+    with revisions.TasksLock(folder):
+        art = _live(folder)
+        if name not in art.tasks:
+            raise TasksError(f"no task '{name}' to remove; tasks: {', '.join(art.tasks)}")
+        if len(art.tasks) == 1:
+            raise TasksError(f"task '{name}' is the artifact's last task; an artifact serves at least one")
+        session = make_session(art.model_path, device="cpu")
+        specs = table_specs(session)
+        old = TaskTables(folder, specs).load(art)
+        order = [n for n in sorted(art.tasks, key=lambda n: art.tasks[n].index) if n != name]
+        keep = [art.tasks[n].index for n in order]
+        new = {k: np.ascontiguousarray(v[keep]) for k, v in old.items()}
+        moved = {n: (art.tasks[n].index, i) for i, n in enumerate(order)}
+        others = _check_others(session, art, old, new, moved)
+        entries = _entries(folder, art)
+        tasks = {n: {**entries[n], "index": i} for i, n in enumerate(order)}
+        change = {"op": "remove", "task": name, "seconds": round(time.perf_counter() - started, 2)}
+        return _publish(folder, art, tasks, change, {"others": others})
+
+
+def _entries(folder: Path, art: Artifact) -> dict[str, Any]:
+    return dict(revisions.read(folder, art.revision or 0)["tasks"])

@@ -1,0 +1,250 @@
+"""`fusionserve tasks add|remove|list` on live artifacts (export --live): new targets against AdapterHub's own Fuse,
+the other tasks bit for bit unchanged, every refusal leaving the published revision as it was, crash safety, and
+every precision and backbone kind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from fusionserve.cli.main import main
+from fusionserve.export.artifact import export_artifact
+from fusionserve.export.tasks import NewTask, add_task
+from fusionserve.serving import revisions
+from fusionserve.serving.artifact import ArtifactError, load_artifact
+from fusionserve.serving.runtime import OnnxRunner
+from tests import live_helpers
+from tests.live_helpers import FIRST, LiveModel, answers, make_live
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> LiveModel:
+    return make_live(tmp_path_factory.mktemp("live"))
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def _state(folder: Path) -> dict[str, bytes]:
+    """Every file of the revisions folder and the task files, by name: what a refusal must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+def test_add_replace_remove_match_adapterhub_and_leave_the_others_bit_identical(live, tmp_path, capsys):
+    art = live.copy(tmp_path / "art")
+    before = {t: answers(art, t) for t in FIRST}
+    code, out, err = _cli(
+        capsys, "tasks", "add", art, "flat", "--fusion", live.root / "fusions/flat", "--head", live.root / "heads/flat"
+    )
+    assert code == 0, err
+    assert "revision 1 published: add task 'flat'" in out and "3 other task(s) bit-identical" in out
+    np.testing.assert_allclose(answers(art, "flat"), live.reference("flat"), atol=TOL, rtol=0)
+    for t in FIRST:
+        assert np.array_equal(answers(art, t), before[t]), t
+
+    # a retrained target: same name, other weights (here another fusion and head), published as revision 2
+    code, out, err = _cli(
+        capsys,
+        "tasks",
+        "add",
+        art,
+        "flat",
+        "--fusion",
+        live.root / "fusions/custom",
+        "--head",
+        live.root / "heads/custom",
+        "--replace",
+    )
+    assert code == 0, err
+    np.testing.assert_allclose(answers(art, "flat"), live.reference("custom"), atol=TOL, rtol=0)
+    for t in FIRST:
+        assert np.array_equal(answers(art, t), before[t]), t
+
+    # a single-adapter task and a head on the frozen backbone
+    assert _cli(capsys, "tasks", "add", art, "a2", "--adapter", "alpha", "--head", live.root / "heads/alpha_only")[0] == 0
+    assert _cli(capsys, "tasks", "add", art, "h2", "--head", live.root / "heads/head_only")[0] == 0
+    np.testing.assert_allclose(answers(art, "a2"), live.reference("alpha_only"), atol=TOL, rtol=0)
+    np.testing.assert_allclose(answers(art, "h2"), live.reference("head_only"), atol=TOL, rtol=0)
+
+    code, out, err = _cli(capsys, "tasks", "remove", art, "flat")
+    assert code == 0, err
+    assert "removed task 'flat'" in out
+    runner = OnnxRunner(art, threads=1)
+    assert runner.artifact.revision == 5 and list(runner.artifact.tasks) == [*FIRST, "a2", "h2"]
+    with pytest.raises(ArtifactError, match="unknown task 'flat'"):
+        runner.task("flat")
+    for t in FIRST:
+        assert np.array_equal(answers(art, t), before[t]), t
+    np.testing.assert_allclose(answers(art, "h2"), live.reference("head_only"), atol=TOL, rtol=0)
+
+    code, out, _ = _cli(capsys, "tasks", "list", art)
+    assert code == 0 and "revision 5 (remove" in out and "a2" in out and "flat" not in out
+    docs = [revisions.read(art, n) for n in range(6)]  # every revision stays, with its tasks and their checksums
+    assert [d["change"]["op"] for d in docs] == ["export", "add", "replace", "add", "add", "remove"]
+    assert all(t["sha256"] and (art / t["file"]).is_file() for d in docs for t in d["tasks"].values())
+
+
+def _refusals(live: LiveModel, tmp: Path) -> dict[str, tuple[list, str]]:
+    """case -> (argv after `tasks add ART`, what the error must say)."""
+    r = live.root
+    trunc = tmp / "truncated_head"
+    shutil.copytree(r / "heads/flat", trunc)
+    weights = trunc / "model_head.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    bad_json = tmp / "bad_fusion"
+    shutil.copytree(r / "fusions/flat", bad_json)
+    (bad_json / "adapter_fusion_config.json").write_text('{"config": ')
+    deep = tmp / "deep_fusion"  # weights for a layer 7 the 3-layer base lacks
+    shutil.copytree(r / "fusions/flat", deep)
+    st = deep / "model_adapter_fusion.safetensors"
+    save_file({k.replace("layer.2.", "layer.7."): v for k, v in load_file(st).items()}, st)
+    wide = tmp / "wide_head"
+    shutil.copytree(r / "heads/flat", wide)
+    cfg = json.loads((wide / "head_config.json").read_text())
+    cfg["hidden_size"] = 48
+    (wide / "head_config.json").write_text(json.dumps(cfg))
+    return {
+        "adapter the artifact lacks": (
+            ["nli", "--fusion", r / "fusions/nli", "--head", r / "heads/nli"],
+            "adapter_names' names adapter(s) ['beta']",
+        ),
+        "unknown adapter": (
+            ["b", "--adapter", "beta", "--head", r / "heads/beta_only"],
+            "--adapter 'beta': the artifact lacks it",
+        ),
+        "more labels than the logits hold": (["f", "--head", r / "heads/five"], "field 'config.num_labels' = 5"),
+        "another head form": (["o", "--head", r / "heads/one_layer"], "the head has 1 linear layer(s)"),
+        "other hidden size": (["w", "--head", wide], "wide_head: weight 'heads.1.weight' has shape (32, 32), expected (48, 48)"),
+        "other layer count": (
+            ["d", "--fusion", deep, "--head", r / "heads/flat"],
+            "weights for layer(s) [7], but the base model has 3",
+        ),
+        "taken name": (["custom", "--fusion", r / "fusions/flat", "--head", r / "heads/flat"], "task 'custom' exists"),
+        "replace of nothing": (["nope", "--head", r / "heads/flat", "--replace"], "no task 'nope' to replace"),
+        "truncated file": (["t", "--fusion", r / "fusions/flat", "--head", trunc], "model_head.safetensors"),
+        "corrupt file": (["c", "--fusion", bad_json, "--head", r / "heads/flat"], "adapter_fusion_config.json"),
+    }
+
+
+def test_every_refusal_exits_2_naming_the_problem_and_leaves_the_revision_served(live, tmp_path, capsys):
+    art = live.copy(tmp_path / "art")
+    state, before = _state(art), answers(art, "custom")
+    for case, (argv, message) in _refusals(live, tmp_path).items():
+        code, out, err = _cli(capsys, "tasks", "add", art, *argv)
+        assert code == 2, (case, out, err)
+        assert message in err and err.count("\n") == 1, (case, err)
+        assert _state(art) == state, case
+    assert load_artifact(art).revision == 0 and np.array_equal(answers(art, "custom"), before)
+    code, _, err = _cli(capsys, "tasks", "remove", art, "nope")
+    assert code == 2 and "no task 'nope' to remove" in err and _state(art) == state
+
+
+def test_a_second_tasks_command_is_refused_while_one_holds_the_lock(live, tmp_path, capsys):
+    art = live.copy(tmp_path / "art")
+    state = _state(art)
+    with revisions.TasksLock(art):  # another command at work, in another process
+        cmd = [
+            sys.executable,
+            "-m",
+            "fusionserve.cli.main",
+            "tasks",
+            "add",
+            str(art),
+            "h",
+            "--head",
+            str(live.root / "heads/head_only"),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "another `fusionserve tasks` command" in done.stderr and "revisions/lock" in done.stderr
+    assert _state(art) == state
+    assert _cli(capsys, "tasks", "add", art, "h", "--head", live.root / "heads/head_only")[0] == 0  # free again
+
+
+def test_a_crash_between_writing_and_publishing_leaves_the_old_revision_served_and_usable(live, tmp_path, capsys):
+    art = live.copy(tmp_path / "art")
+    before = answers(art, "custom")
+    # what a crash after writing revision 1 but before moving the pointer leaves: its files, a stray temporary
+    doc = revisions.read(art, 0)
+    revisions.write(art, {**doc, "revision": 1, "parent": 0, "change": {"op": "add", "task": "ghost"}})
+    (art / "revisions" / ".CURRENT.tmp99").write_text("1\n")
+    runner = OnnxRunner(art, threads=1)
+    assert runner.artifact.revision == 0 and not runner.refresh()
+    assert np.array_equal(answers(art, "custom"), before)
+    # the next command numbers past the unpublished revision, and publishes
+    doc = add_task(art, NewTask("flat", live.root / "heads/flat", live.root / "fusions/flat"))
+    assert doc["revision"] == 2 and doc["parent"] == 0 and revisions.current(art) == 2
+    assert runner.refresh() and runner.artifact.revision == 2 and "flat" in runner.artifact.tasks
+
+
+def test_a_new_target_over_a_pruned_adapter_is_refused_with_the_reason(tmp_path, capsys):
+    # custom mixes gamma and alpha; pruned of alpha in layer 0, where no other exported task uses alpha
+    dropped = {"custom": [frozenset({"alpha"}), frozenset(), frozenset()]}
+    pruned = make_live(tmp_path / "m", dropped=dropped, out=tmp_path / "pruned", tasks=("custom", "head_only"))
+    load = load_artifact(pruned.artifact)
+    assert "alpha" not in load.manifest["adapters_per_layer"][0]
+    code, _, err = _cli(
+        capsys,
+        "tasks",
+        "add",
+        pruned.artifact,
+        "flat",
+        "--fusion",
+        pruned.root / "fusions/flat",
+        "--head",
+        pruned.root / "heads/flat",
+    )
+    assert code == 2 and "mixes adapter 'alpha' at layer 0" in err and "pruned from that layer" in err
+    assert revisions.current(pruned.artifact) == 0
+    # a head over the frozen backbone needs no adapter: fine on a pruned artifact
+    assert _cli(capsys, "tasks", "add", pruned.artifact, "h2", "--head", pruned.root / "heads/head_only")[0] == 0
+    np.testing.assert_allclose(answers(pruned.artifact, "h2"), pruned.reference("head_only"), atol=TOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_fp16_and_int8_artifacts_take_new_tasks_within_their_gate(live, precision, tmp_path, capsys):
+    art = tmp_path / precision
+    export_artifact(
+        live.built.spec, art, precision=precision, max_seq_len=live_helpers.MAX_SEQ_LEN, progress=False, tasks=FIRST,
+        live=True, parity_grid="quick",
+    )  # fmt: skip
+    before = answers(art, "custom")
+    code, _, err = _cli(
+        capsys, "tasks", "add", art, "flat", "--fusion", live.root / "fusions/flat", "--head", live.root / "heads/flat"
+    )
+    assert code == 0, err
+    got, want = answers(art, "flat"), live.reference("flat")
+    if precision == "fp16":
+        np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
+    else:
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    assert np.array_equal(answers(art, "custom"), before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["bert", "roberta", "xlm-roberta", "distilbert"])
+@pytest.mark.parametrize("adapter_config", ["seq_bn", "double_seq_bn"])
+def test_every_backbone_and_adapter_kind_takes_new_tasks(arch_models, arch, adapter_config, tmp_path, capsys):
+    built = arch_models(arch, adapter_config)
+    art = tmp_path / "art"
+    export_artifact(built.spec, art, max_seq_len=40, progress=False, tasks=["dyn", "head"], live=True, parity_grid="quick")
+    root = built.spec.parent
+    assert _cli(capsys, "tasks", "add", art, "stat", "--fusion", root / "fusions/stat", "--head", root / "heads/stat")[0] == 0
+    assert _cli(capsys, "tasks", "add", art, "single", "--adapter", "gamma", "--head", root / "heads/single")[0] == 0
+    texts = live_helpers.SENTENCES
+    for task in ("stat", "single"):
+        batch = built.tokenizer(texts, padding=True, truncation=True, max_length=40, return_tensors="pt")
+        want = built.reference_logits(task, dict(batch)).numpy()
+        np.testing.assert_allclose(answers(art, task, texts), want, atol=TOL, rtol=0)
