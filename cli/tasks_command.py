@@ -32,6 +32,13 @@ def add_tasks(sub: Any) -> None:
     ls.add_argument("artifact")
     ls.add_argument("--json", action="store_true", help="the revision document as JSON")
     ls.set_defaults(run=run_list, needs="serve")
+    cfg = verbs.add_parser(
+        "config",
+        help="the published revision as a Ray Serve user_config, for clusters whose nodes do not share the folder",
+    )
+    cfg.add_argument("artifact")
+    cfg.add_argument("--since", type=int, default=0, help="the revision the nodes' copies hold (default 0: as exported)")
+    cfg.set_defaults(run=run_config, needs="serve")
 
 
 def _checked(doc: dict[str, Any]) -> str:
@@ -87,4 +94,16 @@ def run_list(args: argparse.Namespace) -> int:
     for name, t in sorted(doc["tasks"].items(), key=lambda kv: kv[1]["index"]):
         what = {"fusion": "fusion over " + ", ".join(t["adapters"]), "adapter": f"adapter {', '.join(t['adapters'])}"}
         print(f"  {name:<{width}}  {what.get(t['kind'], 'head only')}; labels: {', '.join(t['labels'])}; {t['file']}")
+    return 0
+
+
+def run_config(args: argparse.Namespace) -> int:
+    """Print the deployment ``user_config`` to put under the fusionserve deployment of a Serve config (JSON is YAML)."""
+    from fusionserve.serving import revisions
+    from fusionserve.serving.artifact import load_artifact
+
+    art = load_artifact(args.artifact, verify=False)
+    if art.revision is None:
+        raise InputError(f"{args.artifact}: not a live artifact (exported without --live)")
+    print(json.dumps({"user_config": revisions.bundle(art.folder, args.since)}))
     return 0

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 
+from . import revisions
 from .artifact import MANIFEST, Artifact, ArtifactError, load_artifact, sha256
 from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log, log_unexpected, parse_json
@@ -162,6 +163,17 @@ class FusionServe:
                 self.stats.revision_loads.labels("failed").inc()
                 log.error("revision not loaded, still serving revision %s: %s", self.runner.served.revision, exc)
                 time.sleep(_REVISION_POLL_S * 10)  # the same failure, checked again a little later
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve's ``user_config``: a revision bundled by ``fusionserve tasks config`` (revision number and files), for
+        clusters whose nodes do not share the artifact folder. Written into this node's copy, then served; an empty
+        config changes nothing. Raises RevisionError (Serve then keeps the replicas on the config they had)."""
+        if config.get("revision") is None:
+            return
+        revisions.install(self.runner.artifact.folder, config)
+        if self.runner.refresh():
+            self.stats.revision.set(self.runner.served.revision or 0)
+            self.stats.revision_loads.labels("loaded").inc()
 
     @property
     def artifact(self) -> Artifact:

@@ -9,13 +9,17 @@
 Every file is written under a temporary name, synced, then renamed into place, and CURRENT last: a reader sees the
 old revision or the new one, never half of one, and a crash before CURRENT moves leaves the old one served (an
 unpublished revision file is harmless; the next command numbers past it). Servers poll CURRENT's stat (one
-``os.stat`` a poll) and load a revision when it changes. No torch here.
+``os.stat`` a poll) and load a revision when it changes. Nodes that do not share the folder get a revision through
+Ray Serve instead: ``bundle`` makes it a deployment ``user_config``, which each replica's ``reconfigure`` hands to
+``install``. No torch here.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import fcntl
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -151,3 +155,47 @@ class TasksLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def bundle(folder: Path, since: int = 0) -> dict[str, Any]:
+    """The published revision as a Serve ``user_config`` (``fusionserve tasks config``), for nodes that do not share the
+    folder: its document and every task file that revision ``since`` (what the nodes were shipped with) lacks, base64."""
+    number = current(folder)
+    doc, old = read(folder, number), read(folder, since)
+    have = {t["file"] for t in old["tasks"].values()}
+    names = [revision_path(folder, number).relative_to(folder).as_posix()]
+    names += sorted({t["file"] for t in doc["tasks"].values()} - have)
+    return {"revision": number, "files": {n: base64.b64encode((folder / n).read_bytes()).decode() for n in names}}
+
+
+def install(folder: Path, config: dict[str, Any]) -> int:
+    """Write a ``bundle`` into this node's copy of the artifact (each task file checked against the revision's sha256)
+    and publish it here when it is newer than what the node serves; returns its number. Raises RevisionError naming
+    the field or file that is wrong; nothing is published then."""
+    number = config.get("revision")
+    files = config.get("files")
+    if not isinstance(number, int) or not isinstance(files, dict):
+        raise RevisionError(
+            "user_config: needs 'revision' (an int) and 'files' (path -> base64), as `fusionserve tasks config` writes"
+        )
+    name = revision_path(folder, number).relative_to(folder).as_posix()
+    try:
+        blobs = {n: base64.b64decode(v, validate=True) for n, v in files.items()}
+        doc = json.loads(blobs[name])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RevisionError(f"user_config: field 'files' must hold {name} and base64 task files ({exc})") from None
+    for task, t in doc.get("tasks", {}).items():
+        path = folder / t["file"]
+        data = blobs.get(t["file"]) if not path.is_file() else None
+        if not path.is_file() and data is None:
+            raise RevisionError(f"user_config: task '{task}' needs {t['file']}, which neither this node nor 'files' has")
+        if data is not None:
+            if hashlib.sha256(data).hexdigest() != t["sha256"]:
+                raise RevisionError(f"user_config: files.{t['file']}: checksum differs from revision {number}'s")
+            (folder / TASK_FILES).mkdir(exist_ok=True)
+            _write_synced(path, data)
+    _write_synced(folder / name, blobs[name])
+    read(folder, number)  # a malformed document fails here, before it is published
+    if not is_live(folder) or current(folder) < number:
+        publish(folder, number)
+    return number

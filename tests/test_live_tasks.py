@@ -248,3 +248,22 @@ def test_every_backbone_and_adapter_kind_takes_new_tasks(arch_models, arch, adap
         batch = built.tokenizer(texts, padding=True, truncation=True, max_length=40, return_tensors="pt")
         want = built.reference_logits(task, dict(batch)).numpy()
         np.testing.assert_allclose(answers(art, task, texts), want, atol=TOL, rtol=0)
+
+
+def test_a_revision_travels_to_a_node_without_the_folder_as_a_serve_user_config(live, tmp_path, capsys):
+    here, node = live.copy(tmp_path / "here"), live.copy(tmp_path / "node")  # the node got the artifact as exported
+    assert (
+        _cli(capsys, "tasks", "add", here, "flat", "--fusion", live.root / "fusions/flat", "--head", live.root / "heads/flat")[0]
+        == 0
+    )
+    code, out, _ = _cli(capsys, "tasks", "config", here)
+    config = json.loads(out)["user_config"]
+    assert code == 0 and config["revision"] == 1 and any(n.startswith("tasks/flat.") for n in config["files"])
+    runner = OnnxRunner(node, threads=1)
+    bad = {**config, "files": {n: (v if n.endswith(".json") else v[:-8] + "AAAAAAAA") for n, v in config["files"].items()}}
+    with pytest.raises(revisions.RevisionError, match="checksum differs"):
+        revisions.install(node, bad)
+    assert revisions.current(node) == 0 and not runner.refresh()
+    assert revisions.install(node, json.loads(json.dumps(config))) == 1  # what a replica's reconfigure does
+    assert runner.refresh() and runner.artifact.revision == 1
+    assert np.array_equal(answers(node, "flat"), answers(here, "flat"))
