@@ -36,9 +36,10 @@ from .live import graph_tables, source_of, task_record, write_task_file
 from .model import FusionModel, HeadForm
 from .quantize import Int8Gate
 from .spec import ModelSpec, TaskSpec, load_spec
-from .validate import TOLERANCES, grid_inputs, mixed_cases
+from .validate import TOLERANCES, grid_inputs
 
 _FEEDS = ("input_ids", "attention_mask", "token_type_ids")
+MIXED_ROWS = 16  # rows of the batches that mix the new task with others, and of the unchanged tasks' check
 
 
 class TasksError(FusionServeError):
@@ -72,8 +73,9 @@ def list_tasks(folder: str | Path) -> dict[str, Any]:
 
 
 def _spec(art: Artifact, spec_path: str | Path | None) -> ModelSpec:
-    """The export's spec (or ``spec_path``), its base model and the adapters the artifact serves checked against the
-    manifest's checksums. Raises TasksError naming the file that differs or is missing."""
+    """The export's spec (or ``spec_path``), the adapters the artifact serves checked against the manifest's
+    checksums (the base model is not hashed: a different one fails the new task's parity gate). Raises TasksError
+    naming the file that differs or is missing."""
     sources = art.manifest["sources"]
     path = Path(spec_path or sources["spec"]["path"])
     if not path.is_file():
@@ -86,7 +88,7 @@ def _spec(art: Artifact, spec_path: str | Path | None) -> ModelSpec:
     if lacking:
         raise TasksError(f"{path}: lacks adapter(s) {lacking} that the artifact serves; pass the export's spec")
     root = spec.path.parent
-    folders = [spec.base_model, *(spec.adapters[a] for a in art.adapters)]
+    folders = [spec.adapters[a] for a in art.adapters]
     recorded = sources["files"]
     for folder in folders:
         for f in sorted(p for p in folder.rglob("*") if p.is_file()):
@@ -141,20 +143,19 @@ def _gate_new(
     labels = len(model.infos[name].labels)
     vocab, max_len = model.backbone.vocab_size, art.max_seq_len
     runs = [(np.array([index]), case, None) for case in grid_inputs(vocab, max_len)]
-    probe = replace_task_count(model, n_tasks)
-    runs += [(ids, case, ids == index) for ids, case in mixed_cases(probe, max_len)]
+    runs += [(ids, case, ids == index) for ids, case in _mixed(vocab, max_len, index, n_tasks)]
     worst = {"logits": 0.0, "fusion_activations": 0.0}
     rows = agree = 0
     prob_change = 0.0
     for task_id, (_, _, feeds), pick in runs:
         got = _run(session, feeds, task_id, tables)
+        sel = slice(None) if pick is None else pick  # the reference runs the new task's rows only
         with torch.inference_mode():
-            want = model(*(torch.from_numpy(feeds[k]) for k in _FEEDS), torch.zeros(1, dtype=torch.long))
-        sel = slice(None) if pick is None else pick
+            want = model(*(torch.from_numpy(feeds[k][sel]) for k in _FEEDS), torch.zeros(1, dtype=torch.long))
         real = feeds["attention_mask"][:, None, :, None].astype(bool)[sel]
-        a, b = got[0][sel, :labels].astype(np.float64), want[0][sel, :labels].numpy().astype(np.float64)
+        a, b = got[0][sel, :labels].astype(np.float64), want[0][:, :labels].numpy().astype(np.float64)
         worst["logits"] = max(worst["logits"], float(np.abs(a - b).max()))
-        acts = np.abs(got[1][sel] * real - want[1].numpy()[sel] * real)
+        acts = np.abs(got[1][sel] * real - want[1].numpy() * real)
         worst["fusion_activations"] = max(worst["fusion_activations"], float(acts.max()) if acts.size else 0.0)
         pa, pb = _softmax(a), _softmax(b)
         rows += len(pa)
@@ -177,14 +178,12 @@ def _gate_new(
     return report
 
 
-def replace_task_count(model: FusionModel, n_tasks: int) -> Any:
-    """A stand-in with ``n_tasks`` tasks for ``validate.mixed_cases`` (which only counts them)."""
-
-    class _Count:
-        task_index = dict.fromkeys(range(n_tasks), 0)
-        backbone = model.backbone
-
-    return _Count()
+def _mixed(vocab: int, max_len: int, index: int, n_tasks: int) -> list[tuple[np.ndarray, Any]]:
+    """Batches of ``MIXED_ROWS`` rows, every other one the new task's and the rest cycling through up to
+    ``MIXED_ROWS // 2`` other tasks, at each grid length: bounded whatever the number of tasks."""
+    others = [i for i in range(n_tasks) if i != index][: MIXED_ROWS // 2] or [index]
+    ids = np.array([index if r % 2 == 0 else others[(r // 2) % len(others)] for r in range(MIXED_ROWS)], dtype=np.int64)
+    return [(ids, case) for case in grid_inputs(vocab, max_len, seed=1, batch_sizes=(MIXED_ROWS,))]
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -195,24 +194,31 @@ def _softmax(z: np.ndarray) -> np.ndarray:
 def _check_others(
     session: Any, art: Artifact, old: dict[str, np.ndarray], new: dict[str, np.ndarray], moved: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
-    """Every unchanged task (name -> (old index, new index)) answers bit for bit as before, in one batch holding them
-    all, at each grid length. Raises TasksError naming the first task that changed."""
+    """Every unchanged task (name -> (old index, new index)) keeps its tables byte for byte, and answers bit for bit as
+    before: batches of ``MIXED_ROWS`` rows over the unchanged tasks, all of them across the batches, at each grid
+    length, before and after. Raises TasksError naming the first task that changed."""
     if not moved:
         return {"tasks": 0, "identical": True}
+    for name, (i, j) in moved.items():
+        if not all(np.array_equal(old[k][i], new[k][j]) for k in old):
+            raise TasksError(f"task '{name}' would change (its tables differ); nothing published")
     names = list(moved)
-    batch = max(8, len(names))
     vocab = int(art.manifest["base_model"]["vocab_size"])
-    cases = grid_inputs(vocab, art.max_seq_len, seed=2, batch_sizes=(batch,))
-    rows = [names[i % len(names)] for i in range(batch)]
-    for _, seq, feeds in cases:
-        before = _run(session, feeds, np.array([moved[n][0] for n in rows]), old)
-        after = _run(session, feeds, np.array([moved[n][1] for n in rows]), new)
-        for out, what in ((0, "logits"), (1, "fusion_activations")):
-            same = np.all(before[out] == after[out], axis=tuple(range(1, before[out].ndim)))
-            if not same.all():
-                bad = rows[int(np.argmin(same))]
-                raise TasksError(f"task '{bad}' would answer differently ({what}, sequence {seq}); nothing published")
-    return {"tasks": len(names), "cases": len(cases), "identical": True}
+    cases = grid_inputs(vocab, art.max_seq_len, seed=2, batch_sizes=(MIXED_ROWS,))
+    runs = 0
+    for start in range(0, len(names), MIXED_ROWS * len(cases)):
+        for c, (_, seq, feeds) in enumerate(cases):
+            chunk = names[start + c * MIXED_ROWS : start + (c + 1) * MIXED_ROWS] or names[:MIXED_ROWS]
+            rows = [chunk[r % len(chunk)] for r in range(MIXED_ROWS)]
+            before = _run(session, feeds, np.array([moved[n][0] for n in rows]), old)
+            after = _run(session, feeds, np.array([moved[n][1] for n in rows]), new)
+            runs += 2
+            for out, what in ((0, "logits"), (1, "fusion_activations")):
+                same = np.all(before[out] == after[out], axis=tuple(range(1, before[out].ndim)))
+                if not same.all():
+                    bad = rows[int(np.argmin(same))]
+                    raise TasksError(f"task '{bad}' would answer differently ({what}, sequence {seq}); nothing published")
+    return {"tasks": len(names), "runs": runs, "identical": True}
 
 
 def _publish(
@@ -247,7 +253,7 @@ def add_task(
         specs = table_specs(session)
         slices = graph_tables(model, specs, art.manifest["live"]["logits_width"])[0]
         check_slices(slices, specs, f"task '{task.name}'")
-        old = TaskTables(folder, specs).load(art)
+        old = TaskTables(folder, specs, verify=False).load(art)  # served files: each server checks them as it loads
         order = sorted(art.tasks, key=lambda n: art.tasks[n].index)
         index = art.tasks[task.name].index if taken else len(order)
         new = {k: np.concatenate([v, slices[k][None]]) if not taken else v.copy() for k, v in old.items()}
@@ -279,7 +285,7 @@ def remove_task(folder: str | Path, name: str) -> dict[str, Any]:
             raise TasksError(f"task '{name}' is the artifact's last task; an artifact serves at least one")
         session = make_session(art.model_path, device="cpu")
         specs = table_specs(session)
-        old = TaskTables(folder, specs).load(art)
+        old = TaskTables(folder, specs, verify=False).load(art)
         order = [n for n in sorted(art.tasks, key=lambda n: art.tasks[n].index) if n != name]
         keep = [art.tasks[n].index for n in order]
         new = {k: np.ascontiguousarray(v[keep]) for k, v in old.items()}

@@ -111,8 +111,8 @@ class WithTables:
 class TaskTables:
     """Loads a revision's stacked tables, reading each task file once (by its checksum) across revisions."""
 
-    def __init__(self, folder: Path, specs: Mapping[str, tuple[type, tuple[int, ...]]]) -> None:
-        self.folder, self.specs = folder, dict(specs)
+    def __init__(self, folder: Path, specs: Mapping[str, tuple[type, tuple[int, ...]]], verify: bool = True) -> None:
+        self.folder, self.specs, self.verify = folder, dict(specs), verify
         self._cache: dict[str, dict[str, np.ndarray]] = {}
 
     def load(self, artifact: Any) -> dict[str, np.ndarray]:
@@ -128,7 +128,7 @@ class TaskTables:
             file, digest = artifact.task_files[entry.name]
             if digest not in self._cache:
                 path = self.folder / file
-                slices = load_slices(path, digest)
+                slices = load_slices(path, digest if self.verify else None)
                 check_slices(slices, self.specs, str(path))
                 self._cache[digest] = slices
             cache[digest] = self._cache[digest]
