@@ -116,6 +116,7 @@ def add_predict(sub: Any) -> None:
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    from fusionserve.scoring.files import check_output, model_files, open_output
     from fusionserve.scoring.inputs import read_jsonl
     from fusionserve.scoring.predict import predict
 
@@ -123,12 +124,14 @@ def run_predict(args: argparse.Namespace) -> int:
         raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.text_pair is not None and args.text is None:
         raise InputError("--text-pair needs --text")
+    if args.output is not None:  # before anything runs: the output is none of the inputs and can be written
+        check_output(args.output, [*([args.input] if args.input else []), *(model_files(args.model) if args.model else [])])
     model = args.model if args.model is not None else str(default.ensure_artifact())
     if args.text is not None:
         inputs: Iterator[tuple[int, TextInput | InputError]] = iter([(1, TextInput(args.text, args.text_pair))])
     else:
         inputs = read_jsonl(args.input)
-    out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
+    out = open_output(args.output) if args.output else sys.stdout
     try:
         ok, failed = predict(open_runner(model), args.task, inputs, out, args.batch_size, progress=args.output is not None)
     finally:

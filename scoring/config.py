@@ -42,8 +42,6 @@ class ScoreConfig:
             raise InputError(f"--pair-field must differ from --text-field, both are '{self.text_field}'")
         if self.ray_actors is not None and not self.uses_ray:
             raise InputError("--ray-actors needs --ray or --ray-address")
-        if self.output_path.resolve() == self.input.resolve():
-            raise InputError(f"--output must differ from --input, both are {self.input}")
         if not self.tasks:
             raise InputError("--task: name at least one task")
         repeated = sorted({t for t in self.tasks if self.tasks.count(t) > 1})

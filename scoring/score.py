@@ -30,6 +30,7 @@ from fusionserve.serving.runtime import OnnxRunner
 
 from .config import ScoreConfig
 from .core import Added, score_records
+from .files import check_output, model_files
 from .progress import Progress, prepare, side_files
 from .readers import Source, format_of, open_source, parse, raw_rows
 from .sink import Sink
@@ -154,6 +155,15 @@ def _open_model(model: Path) -> Artifact:
     return load_artifact(model)
 
 
+def _check_outputs(cfg: ScoreConfig) -> None:
+    """The output and its side files are none of the job's inputs and can be written. Raises InputError."""
+    inputs = [cfg.input, *model_files(cfg.model)]
+    errors, progress, _ = side_files(cfg.output_path)
+    check_output(cfg.output_path, inputs)
+    for path in (errors, progress):
+        check_output(path, inputs, f"{cfg.output_path.name}'s side file")
+
+
 def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
     """Score ``cfg.input`` into ``cfg.output_path``, going on from where an earlier run of the same job stopped.
     ``max_rows``: stop after that many rows this run (a later call goes on; local path only).
@@ -174,6 +184,7 @@ def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
         raise InputError("max_rows stops a local run; --ray does not resume")
     added = Added.of(cfg, entries)
     _check_columns(cfg, source, added)
+    _check_outputs(cfg)
     state = prepare(cfg.output_path, _run_identity(cfg, artifact, out_fmt), cfg.overwrite, str(cfg.input), str(artifact.folder))
     resumed_from, started = state.rows_done, time.perf_counter()
     errors_path = side_files(cfg.output_path)[0]

@@ -96,3 +96,58 @@ def test_inspect_aligns_long_task_names(exported):
     rows = [line for line in lines if line.startswith("  ") and "labels:" in line]
     starts = {len(line) - len(line[2:].split(" ", 1)[1].lstrip()) for line in rows}
     assert len(rows) == len(manifest["tasks"]) and len(starts) == 1, rows
+
+
+# --- outputs never touch an input (issue 30) ---------------------------------------------------------------------
+
+
+def _alias(kind: str, src, tmp_path):
+    """An output path that is the input itself, a symlink to it or a hard link to it."""
+    if kind == "same":
+        return src
+    alias = tmp_path / f"{kind}.jsonl"
+    (alias.symlink_to if kind == "symlink" else alias.hardlink_to)(src)
+    return alias
+
+
+@pytest.mark.parametrize("kind", ["same", "symlink", "hardlink"])
+@pytest.mark.parametrize("command", ["predict", "score", "calibrate"])
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(artifact, capsys, tmp_path, command, kind):
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"text": s}) + "\n" for s in SENTENCES))
+    before = src.read_bytes()
+    dst = _alias(kind, src, tmp_path)
+    code, out, err = _run(capsys, command, artifact, "--task", "rte", "--input", src, "--output", dst)
+    assert src.read_bytes() == before  # nothing lost
+    assert (code, out) == (2, "")
+    assert err == f"fusionserve: error: --output {dst} is the input file {src}; write to another file\n"
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("{tmp}/dir.jsonl", "--output {tmp}/dir.jsonl is a folder; name a file to write"),
+        ("{tmp}/no/such/out.jsonl", "--output {tmp}/no/such/out.jsonl: its folder {tmp}/no/such does not exist"),
+        ("{tmp}/rows.jsonl/out.jsonl", "--output {tmp}/rows.jsonl/out.jsonl: {tmp}/rows.jsonl is not a folder"),
+        ("/proc/out.jsonl", "cannot write --output /proc/out.jsonl: "),
+    ],
+)
+@pytest.mark.parametrize("command", ["predict", "score", "calibrate"])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(artifact, capsys, tmp_path, command, where, says):
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({"text": "a sentence"}) + "\n")
+    (tmp_path / "dir.jsonl").mkdir()
+    dst = where.format(tmp=tmp_path)
+    code, out, err = _run(capsys, command, artifact, "--task", "rte", "--input", src, "--output", dst)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"fusionserve: error: {says.format(tmp=tmp_path)}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.jsonl", "rows.jsonl"]  # nothing written, nothing left
+
+
+def test_a_side_file_of_score_that_is_the_input_is_refused(artifact, capsys, tmp_path):
+    src = tmp_path / "out.jsonl.errors.jsonl"
+    src.write_text(json.dumps({"text": "a sentence"}) + "\n")
+    before = src.read_bytes()
+    code, _, err = _run(capsys, "score", artifact, "--task", "rte", "--input", src, "--output", tmp_path / "out.jsonl")
+    assert code == 2 and src.read_bytes() == before
+    assert err == f"fusionserve: error: out.jsonl's side file {src} is the input file {src}; write to another file\n"
