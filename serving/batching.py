@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import numpy as np
 from fusionserve.errors import FusionServeError
 
 from .activations import token_means
+from .options import check_ranges, default
 from .predictions import TextInput
 from .runtime import OnnxRunner
 from .tokenize import Tokens
@@ -42,24 +43,26 @@ class Overloaded(FusionServeError):
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_s``: how long a
-    batch may wait to fill once the model is free (0: it leaves at once)."""
+    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_ms``: how long a
+    batch may wait to fill once the model is free (0: it leaves at once). Defaults and checks are the serve options'
+    (serving/options.py). Raises FusionServeError for a value out of range."""
 
-    max_batch_size: int = 32
-    max_batch_tokens: int = 16384
-    max_queued: int = 64
-    batch_wait_s: float = 0.0
+    max_batch_size: int = default("max_batch_size")
+    max_batch_tokens: int = default("max_batch_tokens")
+    max_queued: int = default("max_queued")
+    batch_wait_ms: float = default("batch_wait_ms")
 
     def __post_init__(self) -> None:
-        checks = {
-            "max_batch_size": self.max_batch_size >= 1,
-            "max_batch_tokens": self.max_batch_tokens >= 1,
-            "max_queued": self.max_queued >= 1,
-            "batch_wait_s": 0 <= self.batch_wait_s <= 10,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise FusionServeError(f"batch limits out of range: {', '.join(f'{k} = {getattr(self, k)}' for k in bad)}")
+        check_ranges(asdict(self))
+
+    def check_fits(self, max_seq_len: int) -> None:
+        """Raises FusionServeError when a batch could not hold one input of ``max_seq_len`` tokens (the artifact's
+        token limit): the one bound of max_batch_tokens that depends on the artifact."""
+        if self.max_batch_tokens < max_seq_len:
+            raise FusionServeError(
+                f"max_batch_tokens = {self.max_batch_tokens} cannot hold one input of the artifact's token limit "
+                f"({max_seq_len}); allowed: >= {max_seq_len}"
+            )
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,7 @@ class Scheduler:
     thread starts at the first ``submit``. ``on_batch`` is called with every batch's figures, in the model thread."""
 
     def __init__(self, runner: OnnxRunner, limits: BatchLimits, on_batch: Callable[[BatchStats], None] | None = None) -> None:
-        if limits.max_batch_tokens < runner.artifact.max_seq_len:
-            raise FusionServeError(
-                f"max_batch_tokens = {limits.max_batch_tokens} cannot hold one input of the artifact's token limit "
-                f"({runner.artifact.max_seq_len}); allowed: >= {runner.artifact.max_seq_len}"
-            )
+        limits.check_fits(runner.artifact.max_seq_len)
         self.runner, self.limits, self.on_batch = runner, limits, on_batch
         self._queue: deque[_Row] = deque()
         self._waiting = 0  # requests with rows not yet taken by a batch (admission counts these)
@@ -221,8 +220,8 @@ class Scheduler:
                 with self._lock:
                     while not self._queue:
                         self._lock.wait()
-                    if self.limits.batch_wait_s and len(self._queue) < self.limits.max_batch_size:
-                        self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
+                    if self.limits.batch_wait_ms and len(self._queue) < self.limits.max_batch_size:
+                        self._lock.wait(self.limits.batch_wait_ms / 1000)  # a batch may wait this long to fill
                     rows = self._take()
                 if rows:
                     logits, acts = self._run(rows)

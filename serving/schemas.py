@@ -1,10 +1,12 @@
 """The HTTP request and response bodies (pydantic), and how a validation failure is told to the caller."""
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError, model_validator
+
+from .options import check_ranges, default
 
 Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=r"\S")]
 
@@ -70,9 +72,15 @@ class MultiTaskResponse(BaseModel):
 
 @dataclass(frozen=True)
 class Limits:
-    max_inputs: int = 64
-    max_body_bytes: int = 1_000_000
-    body_timeout_s: float = 10.0  # a body not complete by then is answered 408 and its connection freed
+    """What one request may hold, over HTTP and gRPC alike (defaults and checks: serving/options.py, with the fixed
+    limits on task names and error messages). Raises FusionServeError for a value out of range."""
+
+    max_inputs: int = default("max_inputs")
+    max_body_bytes: int = default("max_body_bytes")  # an HTTP body, or a gRPC message
+    body_timeout_s: float = default("body_timeout_s")  # a body not complete by then is answered 408
+
+    def __post_init__(self) -> None:
+        check_ranges(asdict(self))
 
 
 class HTTPError(Exception):
