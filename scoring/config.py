@@ -8,6 +8,8 @@ from pathlib import Path
 
 from fusionserve.errors import InputError
 
+from .files import MAX_ROW_BYTES
+
 
 @dataclass(frozen=True)
 class ScoreConfig:
@@ -21,6 +23,7 @@ class ScoreConfig:
     pair_field: str | None = None
     batch_size: int = 32
     chunk_size: int = 1024
+    max_row_bytes: int = MAX_ROW_BYTES  # a longer row is reported as bad, and the job goes on
     all_scores: bool = False
     activations: bool = False
     prefix: str = ""
@@ -32,7 +35,7 @@ class ScoreConfig:
     ray_actors: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "chunk_size", "threads", "ray_actors"):
+        for name in ("batch_size", "chunk_size", "max_row_bytes", "threads", "ray_actors"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
