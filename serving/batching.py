@@ -41,6 +41,14 @@ class Overloaded(FusionServeError):
     """The replica already holds as many waiting requests as it may; the caller should retry later."""
 
 
+class TooManyTokens(FusionServeError):
+    """Strict mode: inputs over the token limit. ``over``: (input index, its tokens, its text was cut first) each."""
+
+    def __init__(self, over: list[tuple[int, int, bool]], limit: int) -> None:
+        self.over, self.limit = over, limit
+        super().__init__(f"{len(over)} input(s) over the token limit of {limit}")
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_ms``: how long a
@@ -179,9 +187,10 @@ class Scheduler:
         with self._lock:
             return len(self._queue)
 
-    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput]) -> JobResult:
+    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput], strict: bool = False) -> JobResult:
         """Classify ``inputs`` for ``task`` (or for each of several tasks). Raises Overloaded when ``max_queued``
-        requests already wait, and what the tokenizer or the runner raises for this request's rows."""
+        requests already wait, TooManyTokens (``strict``) for inputs over the token limit, found while tokenizing,
+        off the event loop, and what the tokenizer or the runner raises for this request's rows."""
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -191,15 +200,22 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
         job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter())
-        self._tokenize.submit(self._enqueue, job, inputs)
+        self._tokenize.submit(self._enqueue, job, inputs, strict)
         return await job.future
 
-    def _enqueue(self, job: _Job, inputs: Sequence[TextInput]) -> None:
+    def _enqueue(self, job: _Job, inputs: Sequence[TextInput], strict: bool) -> None:
         """In a tokenizer thread: the request's rows join the queue, and the model thread is told. Each input is
-        tokenized once, whatever the number of tasks."""
+        tokenized once, whatever the number of tasks; in strict mode a request with an input over the token limit
+        fails instead (its length counted here too: a long text never costs the event loop)."""
+        encoder = self.runner.encoder
         try:
-            tokens = self.runner.encoder.tokens(inputs)
-        except Exception as exc:  # a tokenizer failure fails this request only
+            tokens = encoder.tokens(inputs)
+            over = [i for i, t in enumerate(tokens) if t.truncated] if strict else []
+            if over:
+                picked = [inputs[i] for i in over]
+                counts, cut = encoder.count_tokens(picked), encoder.cut(picked)
+                raise TooManyTokens(list(zip(over, counts, cut, strict=True)), encoder.max_length)
+        except Exception as exc:  # a tokenizer failure (or a strict refusal) fails this request only
             with self._lock:
                 self._waiting -= 1
             job.failed = True

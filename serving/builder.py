@@ -32,13 +32,14 @@ from fusionserve.errors import FusionServeError
 from . import options
 from .artifact import MANIFEST, load_artifact
 from .batching import BatchLimits
+from .grpc_ingress import transport_env
 from .options import default
 from .runtime import DEVICES, DeviceError, resolve_device
 from .schemas import Limits
 
 IMPORT_PATH = "fusionserve.serving.builder:app_builder"
 DEPLOYMENT = "fusionserve"
-SERVICER = "fusionserve.serving.fusionserve_pb2_grpc.add_ClassifierServicer_to_server"  # for grpc_options
+SERVICER = "fusionserve.serving.grpc_ingress.add_servicer"  # for grpc_options
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the replicas' metrics folder (AppArgs.metrics_dir), in their environment
 
 
@@ -194,7 +195,8 @@ def app_builder(args: AppArgs) -> Any:
     options: dict[str, Any] = {
         "num_cpus": args.threads_per_replica,
         # Ray starts workers at nice 15: a replica would lose every core to anything else on its node
-        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, "RAY_worker_niceness": "0"}},
+        # and the replica's own gRPC server refuses a message over the size limit before reading it
+        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, "RAY_worker_niceness": "0", **transport_env(args.max_body_bytes)}},
     }
     if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
         options["num_gpus"] = gpus
