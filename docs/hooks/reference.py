@@ -162,8 +162,8 @@ def _schema_type(schema: dict[str, Any]) -> str:
         name = schema["$ref"].rsplit("/", 1)[-1]
         return f"[{name}](#{name.lower()})"
     for key in ("anyOf", "oneOf"):
-        if key in schema:
-            return " or ".join(_schema_type(s) for s in schema[key])
+        if key in schema:  # an optional field's null is said by "required" and "default"
+            return " or ".join(_schema_type(s) for s in schema[key] if s.get("type") != "null")
     kind = schema.get("type", "any")
     if kind == "array":
         return f"list of {_schema_type(schema.get('items', {}))}"
@@ -210,18 +210,22 @@ def http_page() -> str:
         "|---|---|---|",
     ]
     documented = {(m, p) for m, p, listed in http_routes() if listed}
+    unlisted = {  # routes FastAPI keeps out of the schema: what they are
+        "/openapi.json": "this schema, as JSON",
+        "/docs": "the API's browsable page (Swagger UI, served from the package: no CDN)",
+    }
     for method, path, listed in http_routes():
         op = schema["paths"].get(path, {}).get(method.lower(), {}) if listed else {}
-        what = op.get("summary") or op.get("description", "").split("\n")[0]
+        what = op.get("description", "").split("\n")[0] or op.get("summary", "")
         if not listed:
-            what = "the API's browsable page (Swagger UI, from the package: no CDN)" if path == "/docs" else "files of that page"
-            what += "; not in the schema"
+            what = unlisted.get(path, "files of the `/docs` page" if path.startswith("/docs") else "") + " (not in the schema)"
         anchor = (
             f"[`{path}`](#{method.lower()}{re.sub(r'[^a-z0-9]+', '-', path.lower()).rstrip('-')})"
             if (method, path) in documented
             else f"`{path}`"
         )
         out.append(f"| `{method}` | {anchor} | {_cell(what)} |")
+    inline: dict[str, Any] = {}
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
             anchor = f"{method}{re.sub(r'[^a-z0-9]+', '-', path.lower()).rstrip('-')}"
@@ -230,14 +234,19 @@ def http_page() -> str:
                 out += [op["description"], ""]
             body = op.get("requestBody", {}).get("content", {})
             for media, content in body.items():
-                out += [f"Request body (`{media}`): {_schema_type(content.get('schema', {}))}", ""]
+                shape = content.get("schema", {})
+                if "properties" in shape and "title" in shape:  # a request model written inline: shown with the others
+                    inline[shape["title"]] = shape
+                    inline.update(shape.get("$defs", {}))
+                    shape = {"$ref": f"#/components/schemas/{shape['title']}"}
+                out += [f"Request body (`{media}`): {_schema_type(shape)}", ""]
             out += ["| status | meaning | body |", "|---|---|---|"]
             for status, resp in op.get("responses", {}).items():
                 content = resp.get("content", {})
                 shape = ", ".join(_schema_type(c.get("schema", {})) for c in content.values() if c.get("schema"))
                 out.append(f"| {status} | {_cell(resp.get('description', ''))} | {shape} |")
     out += ["", "## Schemas", ""]
-    for name, spec in schema.get("components", {}).get("schemas", {}).items():
+    for name, spec in {**inline, **schema.get("components", {}).get("schemas", {})}.items():
         out += _schema_table(name, spec)
     out += ["## The schema itself", "", '??? note "openapi.json"', "    ```json"]
     out += ["    " + line for line in json.dumps(schema, indent=2).splitlines()]

@@ -82,6 +82,7 @@ def on_files(files: Files, config: Any) -> Files:
     pages = dict(reference.all_pages())
     for source, target in INCLUDED.items():
         pages[target] = (ROOT / source).read_text(encoding="utf-8")
+    pages["index.md"] = "---\nhide:\n  - navigation\n---\n" + pages["index.md"]  # the home page: no left sidebar
     for path, content in pages.items():
         files.append(File.generated(config, path, content=content))
     for source, target in _plots().items():
