@@ -160,9 +160,17 @@ def test_a_guide_missing_from_the_nav_is_added_to_guides(tmp_path: Path) -> None
     (tmp_path / "guides").mkdir()
     (tmp_path / "guides" / "listed.md").write_text("# Listed\n")
     (tmp_path / "guides" / "new-topic.md").write_text("# A new topic\n\ntext\n")
+    (tmp_path / "concepts").mkdir()
+    (tmp_path / "concepts" / "idea.md").write_text("no title here\n")
+    (tmp_path / "faq.md").write_text("# FAQ\n")
     config = {"docs_dir": str(tmp_path), "nav": [{"Home": "index.md"}, {"Guides": [{"Listed": "guides/listed.md"}]}]}
     site.on_config(config)
-    assert config["nav"][1] == {"Guides": [{"Listed": "guides/listed.md"}, {"A new topic": "guides/new-topic.md"}]}
+    assert config["nav"] == [
+        {"Home": "index.md"},
+        {"Guides": [{"Listed": "guides/listed.md"}, {"A new topic": "guides/new-topic.md"}]},
+        {"Concepts": [{"Idea": "concepts/idea.md"}]},
+        {"FAQ": "faq.md"},
+    ]
 
 
 @pytest.mark.parametrize(

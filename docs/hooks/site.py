@@ -3,7 +3,7 @@
 - the reference pages, generated from the code (``reference.py`` beside this file);
 - the home page from README.md, the benchmark results from benchmarks/RESULTS.md and the built-in model's report
   from fusionserve/default_model/REPORT.md, with their plots: included as they are in the repository, never copied;
-- every ``docs/guides/*.md`` the nav does not list, added to the Guides section (a new guide needs no nav edit);
+- every page the nav does not list, added to its folder's section (a new ``docs/guides/*.md`` joins Guides: no nav edit);
 - links from a page to a repository file outside ``docs/``: to that file's page when the site has one
   (README.md, RESULTS.md, REPORT.md, a plot), else the link becomes the file's path in code, so that
   ``mkdocs build --strict`` never fails on a link a guide's author wrote for GitHub.
@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference  # beside this file: mkdocs loads hooks by path, not as a package
 
 ROOT = reference.ROOT
-GUIDES_SECTION = "Guides"
 # repository file -> its page in the site (plots: the same path, so the files' own relative links keep working)
 INCLUDED = {
     "README.md": "index.md",
@@ -59,21 +58,30 @@ def _title(path: Path) -> str:
     return path.stem.replace("-", " ").capitalize()
 
 
+SECTIONS = {"guides": "Guides", "concepts": "Concepts", "reference": "Reference", "benchmarks": "Benchmarks"}
+
+
 def on_config(config: Any) -> Any:
-    """Add each guide the nav does not list to its Guides section, by title."""
+    """Add every page the nav does not list to its folder's section, by title (a page under ``guides/`` to Guides;
+    one at the top of ``docs/`` after the last section), so that a new page is never left out of the site."""
     nav = config.get("nav")
     if not nav:
         return config
     listed = _nav_paths(nav)
     docs = Path(config["docs_dir"])
-    extra = [{_title(p): p.relative_to(docs).as_posix()} for p in sorted((docs / "guides").glob("*.md"))]
-    extra = [item for item in extra if next(iter(item.values())) not in listed]
-    for section in nav:
-        if isinstance(section, dict) and GUIDES_SECTION in section:
-            section[GUIDES_SECTION] = [*section[GUIDES_SECTION], *extra]
-            break
-    else:
-        nav.append({GUIDES_SECTION: extra})
+    for path in sorted(docs.rglob("*.md")):
+        rel = path.relative_to(docs).as_posix()
+        if rel in listed or rel.startswith("hooks/"):
+            continue
+        entry = {_title(path): rel}
+        section_name = SECTIONS.get(rel.split("/")[0]) if "/" in rel else None
+        section = next((item for item in nav if isinstance(item, dict) and section_name in item), None)
+        if section is not None:
+            section[section_name] = [*section[section_name], entry]
+        elif section_name is not None:
+            nav.append({section_name: [entry]})
+        else:
+            nav.append(entry)
     return config
 
 
