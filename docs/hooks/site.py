@@ -1,6 +1,6 @@
 """MkDocs hooks (mkdocs.yml ``hooks:``): what the site takes from the repository at build time instead of copies.
 
-- the reference pages, generated from the code (``reference.py`` beside this file);
+- the reference pages, generated from the code (``reference.py`` and the ``ref_*.py`` beside this file);
 - the home page from README.md, the benchmark results from benchmarks/RESULTS.md and the built-in model's report
   from fusionserve/default_model/REPORT.md, with their plots: included as they are in the repository, never copied;
 - every page the nav does not list, added to its folder's section (a new ``docs/guides/*.md`` joins Guides: no nav edit);
