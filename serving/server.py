@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
+
 from fusionserve.errors import FusionServeError
 
 from .artifact import MANIFEST, load_artifact, sha256
@@ -23,7 +25,7 @@ from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, ch
 from .cluster import connect
 from .grpc_ingress import transport_env
 from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap, routed_replicas
-from .runtime import resolve_device
+from .runtime import make_session, resolve_device
 
 __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
 APP_NAME = "fusionserve"
@@ -90,6 +92,11 @@ def start(
     # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
     # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
     artifact = load_artifact(cfg.artifact, verify=False)
+    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
+    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
+    make_session(
+        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
     resolve_device(cfg.app.device)
     held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
     address = os.environ.get("RAY_ADDRESS")
