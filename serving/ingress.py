@@ -26,6 +26,9 @@ from pathlib import Path
 
 from fusionserve.errors import FusionServeError
 
+from . import options
+from .haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
+
 INGRESSES = ("haproxy", "proxy")  # what `fusionserve serve --ingress` offers; the first is the default
 VARIANTS = {
     "haproxy": ("haproxy", True),
@@ -100,10 +103,13 @@ def fit_open_files() -> int | None:
     return max(64, int((soft - _FDS_SPARE) / _FDS_PER_CONN))
 
 
-def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
+def ingress_env(
+    ingress: str, workdir: Path | None = None, body_timeout_s: float = options.default("body_timeout_s")
+) -> dict[str, str]:
     """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin and metrics sockets and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
-    Ray nodes) on one machine never share them.
+    Ray nodes) on one machine never share them; and fusionserve's rules in its config (serving/haproxy_rules.py:
+    requests not complete within ``body_timeout_s`` get 408 and their connection closed, JSON error pages).
 
     Raises FusionServeError for an unknown ingress."""
     env = node_env(ingress)
@@ -124,6 +130,9 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         }
+        haproxy = real_haproxy()
+        if haproxy is not None:  # none: Serve says so when it starts HAProxy
+            env[BINARY_ENV] = str(write_wrapper(folder, haproxy, body_timeout_s))
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
