@@ -25,7 +25,7 @@ def add_serve(sub: Any) -> None:
         nargs="?",
         help="artifact folder written by `fusionserve export`; default: the built-in model, exported on first use",
     )
-    sv.add_argument("--host", help="HTTP bind address (default 127.0.0.1; see the README's security notes)")
+    sv.add_argument("--host", help="HTTP bind address (default 127.0.0.1; see the docs' Serving guide, security notes)")
     sv.add_argument("--port", type=int, help="HTTP port (default 8000)")
     sv.add_argument(
         "--replicas", type=int, help=f"model replicas, each with its own ONNX Runtime session (default {_d('replicas')})"
@@ -71,7 +71,7 @@ def add_serve(sub: Any) -> None:
         "--ingress",
         choices=list(INGRESSES),
         help="haproxy: HAProxy hands connections straight to the replicas' own HTTP ports; proxy: Serve's proxy actor "
-        f"forwards each request over Ray (default {INGRESSES[0]}; see the README for the measured difference)",
+        f"forwards each request over Ray (default {INGRESSES[0]}; see the docs' Serving guide)",
     )
     sv.add_argument(
         "--replace", action="store_true", help="on a Ray cluster (RAY_ADDRESS) that already runs fusionserve: replace it"
@@ -103,7 +103,7 @@ def _add_scaling(sv: Any) -> None:
         type=float,
         help=f"window the ongoing requests are averaged over (default {_d('look_back_period_s')})",
     )
-    cluster = sv.add_argument_group("clusters and stock Ray tools (see the README's Scaling out)")
+    cluster = sv.add_argument_group("clusters and stock Ray tools (see the docs' Scaling out guide)")
     cluster.add_argument(
         "--ship-artifact",
         action="store_true",

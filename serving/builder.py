@@ -73,7 +73,7 @@ def _named(text: str, flags: bool) -> str:
 class AppArgs(BaseModel):
     """The builder's arguments: everything ``fusionserve serve`` takes that belongs to the application. Where Serve
     listens (host, ports) is the config's http_options / grpc_options, and the ingress is how Ray's nodes are started
-    (see the README's "Scaling out")."""
+    (see docs/guides/scaling-out.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,10 +1,10 @@
 """How HTTP reaches the replicas: the Ray Serve settings of each ingress, as environment variables that Ray's
 processes read once, when they start — so they are set before fusionserve starts Ray (a cluster joined through
-``RAY_ADDRESS`` must have been started with them; see the README's serving section).
+``RAY_ADDRESS`` must have been started with them; see docs/guides/serving.md).
 
 - ``haproxy`` (default): HAProxy listens on the server's port and hands each connection to a replica's own HTTP
   port (Ray 2.60's direct ingress: uvicorn inside the replica); Serve's throughput settings run the replica's code
-  on its main event loop. Measured here against the others (``benchmarks/load.py``): see the README.
+  on its main event loop. Measured against the others by ``benchmarks/load.py``: benchmarks/RESULTS.md.
 - ``proxy``: Serve's proxy actor on the port, which forwards every request to a replica over a Ray call (Serve's
   default; no HAProxy needed).
 

@@ -144,7 +144,7 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
         raise FusionServeError(
             f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
-            "replica ports, see the README's Scaling out)"
+            "replica ports, see the docs' Scaling out guide)"
         )
 
 
