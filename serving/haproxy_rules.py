@@ -28,7 +28,7 @@ MARK = "# fusionserve additions (serving/haproxy_rules.py)"
 _REASONS = {405: "Method Not Allowed", 408: "Request Timeout"}
 
 
-def _error(status: int, reason: str, message: str) -> bytes:
+def _page(status: int, reason: str, message: str) -> bytes:
     body = json.dumps({"error": {"type": reason, "message": message}}).encode()
     head = (
         f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\ncache-control: no-cache\r\n"
@@ -62,8 +62,8 @@ def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
     for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``haproxy``."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "408.http").write_bytes(_error(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
-    (folder / "405.json").write_bytes(_error(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
+    (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
+    (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
     rules = [
         MARK,
         "option http-buffer-request",  # wait for the body (up to a buffer's size): the timeout below covers it

@@ -350,3 +350,16 @@ def test_each_server_has_its_own_fallback_proxy_ports():
         assert first[key] != second[key]
         assert port_holder("127.0.0.1", int(first[key])) is None
     assert "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT" not in ingress_env("proxy")  # Serve's proxy ingress has no fallback
+
+
+def test_each_server_has_its_own_replica_grpc_ports():
+    """Serve binds the replicas' gRPC ports with port reuse on (its option to turn it off is a string gRPC ignores):
+    with Serve's one default range, the first replica of every server on a machine listened on *:40000 (seen with ss:
+    three servers' replicas on one port), and gRPC calls through one server's HAProxy reached the others' models (a
+    call got another server's size limit). Each server's replicas take their gRPC ports from a free range of its own."""
+    from fusionserve.serving.ingress import ingress_env, port_holder
+
+    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
+    assert low != int(second["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) and low < high <= 65535
+    assert port_holder("127.0.0.1", low) is None
