@@ -105,7 +105,9 @@ def start(
     # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
     _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
     # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
-    os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)) | transport_env(cfg.app.max_body_bytes))
+    os.environ.update(
+        ingress_env(cfg.ingress, Path(_ingress_dir), cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
+    )
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
