@@ -258,19 +258,32 @@ def environment_page() -> str:
         "",
         "> " + md(" ".join((settings.__doc__ or "").split("\n\n")[0].split())),
         "",
+        "## Read by fusionserve",
+        "",
         "| variable | use | meaning | in the code |",
         "|---|---|---|---|",
     ]
     for name, use, where in environment_variables():
         meaning = described.get(name) or _OTHERS.get(name, "")
         out.append(f"| `{name}` | {use} | {cell(meaning)} | `{where}` |")
+    from fusionserve.serving.ingress import INGRESSES, node_env
+
+    envs = {ingress: node_env(ingress) for ingress in INGRESSES}
     out += [
         "",
-        "`fusionserve serve` also gives Ray Serve's HAProxy ingress its settings as `RAY_SERVE_*` variables when it "
-        "starts Ray; on a cluster they go to every `ray start` (`fusionserve serve --print-config` lists them): see "
-        "[Scaling out](../guides/scaling-out.md).",
+        "## Set for Ray Serve's ingress",
         "",
+        "`fusionserve serve` starts Ray with these settings of the `--ingress` it serves behind (`serving/ingress.py`); "
+        "Ray's processes read them when they start, so on a cluster every `ray start` needs them "
+        "(`fusionserve serve --print-config` lists them; see [Scaling out](../guides/scaling-out.md)). The thread "
+        "count follows the machine's cores.",
+        "",
+        "| variable | " + " | ".join(f"`--ingress {i}`" for i in INGRESSES) + " |",
+        "|---|" + "---|" * len(INGRESSES),
     ]
+    for name in sorted(set().union(*envs.values())):
+        out.append(f"| `{name}` | " + " | ".join(f"`{envs[i][name]}`" if name in envs[i] else "" for i in INGRESSES) + " |")
+    out.append("")
     return "\n".join(out)
 
 
