@@ -21,6 +21,7 @@ from fusionserve.errors import FusionServeError
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
+from .grpc_ingress import transport_env
 from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap, routed_replicas
 from .runtime import resolve_device
 
@@ -96,7 +97,8 @@ def start(
         _refuse_held(cfg.host, held)
     # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
     _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
+    # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
+    os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)) | transport_env(cfg.app.max_body_bytes))
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory

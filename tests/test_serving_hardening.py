@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fusionserve.export.artifact import export_artifact
+from fusionserve.serving.options import MAX_ERROR_CHARS
 from tests.serving_helpers import (
     MARK_ENV,
     alive,
@@ -101,6 +102,11 @@ def _corpus() -> list[bytes]:
         b'{"task": "rte", "inputs": ["' + "\u202e\u0301\U0001f600".encode() * 50 + b'"]}', b'{"task": "rte", "inputs": ["' + b"a" * 3000 + b'"]}',
         b'{"task": "rte", "inputs": [1e999]}', b'{"task": "rte", "inputs": [-0.0, NaN]}', b'{"task": "' + b"x" * 3000 + b'", "inputs": ["a"]}',
         b'{"task": "rte", "task": "nli", "inputs": ["a"]}', b'{"task": "rte", "inputs": ["a"]} trailing', good[:-1], good + b"}",
+        # issue 30: texts of only control or zero-width characters, long and many task names, a text far over the
+        # token limit (cut before tokenizing), strict on it
+        b'{"task": "rte", "inputs": ["\\u200b\\u200d\\ufeff"]}', b'{"task": "rte", "inputs": ["\x01\x02\\u0000"]}',
+        b'{"task": "' + b"y" * 16_500 + b'", "inputs": ["a"]}', json.dumps({"tasks": ["n" * 100 + str(i) for i in range(300)], "inputs": ["a"]}).encode(),
+        b'{"task": "rte", "inputs": ["' + b"word " * 180_000 + b'"]}', b'{"task": "rte", "strict": true, "inputs": ["' + b"w " * 400_000 + b'"]}',
     ]  # fmt: skip
     rng = random.Random(0)
     mutated = []
@@ -126,6 +132,7 @@ def test_fuzzed_bodies_never_get_a_500_and_the_server_keeps_serving(server):
         assert status in (200, 404, 413, 422), (status, body[:80], answer)
         if status != 200:
             assert set(answer) == {"error"} and set(answer["error"]) == {"type", "message"}, answer
+            assert len(answer["error"]["message"]) <= MAX_ERROR_CHARS, answer
     assert {200, 422} <= seen
     big = b'{"task": "rte", "inputs": ["' + b"x" * 10_000_000 + b'"]}'  # 10 MB: refused by its Content-Length (limit 1 MB)
     status, answer = _post(server.port, big)
