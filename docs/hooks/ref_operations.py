@@ -73,7 +73,33 @@ def _str(node: ast.AST) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
-_HTTP_ONLY = {"app.py"}  # where a refusal is made -> which protocol can carry it
+def _template(node: ast.AST) -> str:
+    """A message as a reader sees it: a string's text, an f-string's text with ``<code>{value}</code>`` where a value
+    goes, or the function that writes it."""
+    if (text := _str(node)) is not None:
+        return cell(text)
+    if isinstance(node, ast.JoinedStr):
+        parts = []
+        for v in node.values:
+            if isinstance(v, ast.FormattedValue):
+                inner = v.value
+                name = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "...")
+                parts.append(f"<code>{{{name}}}</code>")
+            else:
+                parts.append(re.sub(r"\s+", " ", _str(v) or "").replace("|", "\\|"))
+        return "".join(parts)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return f"written by `{node.func.id}()`"
+    return "written where it is raised"
+
+
+_HTTP_ONLY = {"app.py"}
+_RANK = {"app.py": 1, "grpc_ingress.py": 2}
+
+
+def _preference(where: str, message: str) -> tuple[bool, int]:
+    """Which place to show for an error type: one with a message; on the path both protocols share, else HTTP's."""
+    return bool(message), -_RANK.get(where.split(":")[0], 0)
 
 
 def error_types() -> list[tuple[int, str, str, str, bool]]:
@@ -90,16 +116,17 @@ def error_types() -> list[tuple[int, str, str, str, bool]]:
             if isinstance(node, ast.Call) and len(node.args) >= 2:
                 func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
                 if func in ("HTTPError", "_error"):
-                    message = ast.unparse(node.args[2]) if len(node.args) > 2 else ""
+                    message = _template(node.args[2]) if len(node.args) > 2 else ""
                     pairs.append((_int(node.args[0]), _str(node.args[1]), message))
             elif isinstance(node, ast.Dict):
                 pairs += [(_int(k), _str(v), "") for k, v in zip(node.keys, node.values, strict=True) if k is not None]
             for status, kind, message in pairs:
                 if status is None or kind is None or not 400 <= status < 600 or not re.fullmatch(r"[a-z_]+", kind):
                     continue
-                where = f"{rel(path)}:{node.lineno}"
+                where = f"{path.name}:{node.lineno}"  # every one is in serving/
                 grpc[(status, kind)] = grpc.get((status, kind), False) or path.name not in _HTTP_ONLY
-                if (status, kind) not in found or (message and not found[(status, kind)][1]):
+                known = found.get((status, kind))
+                if known is None or _preference(where, message) > _preference(*known):
                     found[(status, kind)] = (where, message)
     return sorted((status, kind, where, message, grpc[key]) for key, (where, message) in found.items() for status, kind in [key])
 
@@ -137,13 +164,13 @@ def errors_page() -> str:
         "names the bad field or value; the column shows how the code writes it. Found in `serving/` wherever a "
         "refusal is made. What each means for a caller: [Serving, errors](../guides/serving.md#errors).",
         "",
-        "| type | HTTP | gRPC | message | raised at |",
+        "| type | HTTP | gRPC | message | in `serving/` |",
         "|---|---:|---|---|---|",
     ]
     for status, kind, where, message, over_grpc in error_types():
-        shown = f"`{cell(message)}`" if message else ""
-        code = f"`{grpc_code(status).name}`" if over_grpc else "(HTTP only)"
-        out.append(f"| `{kind}` | {status} | {code} | {shown} | `{where}` |")
+        shown = message
+        code = f"`{grpc_code(status).name}`{{ .nowrap }}" if over_grpc else "(HTTP only)"
+        out.append(f"| `{kind}` | {status} | {code} | {shown} | `{where}`{{ .nowrap }} |")
     out += [
         "",
         "## Exceptions (Python API and command line)",
@@ -231,19 +258,32 @@ def environment_page() -> str:
         "",
         "> " + md(" ".join((settings.__doc__ or "").split("\n\n")[0].split())),
         "",
+        "## Read by fusionserve",
+        "",
         "| variable | use | meaning | in the code |",
         "|---|---|---|---|",
     ]
     for name, use, where in environment_variables():
         meaning = described.get(name) or _OTHERS.get(name, "")
         out.append(f"| `{name}` | {use} | {cell(meaning)} | `{where}` |")
+    from fusionserve.serving.ingress import INGRESSES, node_env
+
+    envs = {ingress: node_env(ingress) for ingress in INGRESSES}
     out += [
         "",
-        "`fusionserve serve` also gives Ray Serve's HAProxy ingress its settings as `RAY_SERVE_*` variables when it "
-        "starts Ray; on a cluster they go to every `ray start` (`fusionserve serve --print-config` lists them): see "
-        "[Scaling out](../guides/scaling-out.md).",
+        "## Set for Ray Serve's ingress",
         "",
+        "`fusionserve serve` starts Ray with these settings of the `--ingress` it serves behind (`serving/ingress.py`); "
+        "Ray's processes read them when they start, so on a cluster every `ray start` needs them "
+        "(`fusionserve serve --print-config` lists them; see [Scaling out](../guides/scaling-out.md)). The thread "
+        "count follows the machine's cores.",
+        "",
+        "| variable | " + " | ".join(f"`--ingress {i}`" for i in INGRESSES) + " |",
+        "|---|" + "---|" * len(INGRESSES),
     ]
+    for name in sorted(set().union(*envs.values())):
+        out.append(f"| `{name}` | " + " | ".join(f"`{envs[i][name]}`" if name in envs[i] else "" for i in INGRESSES) + " |")
+    out.append("")
     return "\n".join(out)
 
 
