@@ -233,7 +233,7 @@ class FusionServe:
             try:
                 await self.scheduler.submit(task, (TextInput("ready"),))
             except Exception as exc:  # any failure of the model path means not ready; say which
-                return _json({"status": "not ready", "error": f"{type(exc).__name__}: {exc}"}, 503)
+                return _json({"status": "not ready", "error": bounded(f"{type(exc).__name__}: {exc}")}, 503)
             self._ready_at = time.monotonic()
         return _json({"status": "ready"})
 
