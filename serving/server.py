@@ -14,13 +14,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
+
 from fusionserve.errors import FusionServeError
 
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
+from .grpc_ingress import transport_env
 from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, routed_replicas
-from .runtime import resolve_device
+from .runtime import make_session, resolve_device
 from .supervise import descendants, end_run, exit_with, new_run_folder, reap_stale, record, supervise, supervise_end
 
 __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
@@ -92,6 +95,11 @@ def start(
     # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
     # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
     artifact = load_artifact(cfg.artifact, verify=False)
+    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
+    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
+    make_session(
+        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
     resolve_device(cfg.app.device)
     reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
     held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
@@ -99,7 +107,10 @@ def start(
     if not address:  # a Ray of our own runs no Serve yet: whatever holds a port is not ours to share
         _refuse_held(cfg.host, held)
     _ingress_dir = str(run_folder or new_run_folder())
-    os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
+    # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
+    os.environ.update(
+        ingress_env(cfg.ingress, Path(_ingress_dir), cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
+    )
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -145,7 +156,7 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
         raise FusionServeError(
             f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
-            "replica ports, see the README's Scaling out)"
+            "replica ports, see the docs' Scaling out guide)"
         )
 
 
