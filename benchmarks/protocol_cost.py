@@ -50,7 +50,7 @@ class FixedScheduler:
     def check_room(self) -> None:
         return None
 
-    async def submit(self, tasks: list[str], inputs: tuple, served: object = None) -> JobResult:
+    async def submit(self, tasks: list[str], inputs: tuple, strict: bool = False, served: object = None) -> JobResult:
         n = len(inputs)
         results = {t: TaskResult(np.tile(self.logits, (n, 1)), None) for t in tasks}
         return JobResult(results, [False] * n, 0.0, 1)
