@@ -249,7 +249,7 @@ def add_task(
             raise TasksError(f"--replace: no task '{task.name}' to replace; tasks: {', '.join(art.tasks)}")
         spec = _spec(art, spec_path)
         model = _reference(art, spec, task)
-        session = make_session(art.model_path, device="cpu")
+        session = make_session(art.model_path, spin=False, device="cpu")  # no busy-waiting beside torch
         specs = table_specs(session)
         slices = graph_tables(model, specs, art.manifest["live"]["logits_width"])[0]
         check_slices(slices, specs, f"task '{task.name}'")
@@ -283,7 +283,7 @@ def remove_task(folder: str | Path, name: str) -> dict[str, Any]:
             raise TasksError(f"no task '{name}' to remove; tasks: {', '.join(art.tasks)}")
         if len(art.tasks) == 1:
             raise TasksError(f"task '{name}' is the artifact's last task; an artifact serves at least one")
-        session = make_session(art.model_path, device="cpu")
+        session = make_session(art.model_path, spin=False, device="cpu")  # no busy-waiting beside torch
         specs = table_specs(session)
         old = TaskTables(folder, specs, verify=False).load(art)
         order = [n for n in sorted(art.tasks, key=lambda n: art.tasks[n].index) if n != name]

@@ -109,11 +109,13 @@ class WithTables:
 
 
 class TaskTables:
-    """Loads a revision's stacked tables, reading each task file once (by its checksum) across revisions."""
+    """Loads a revision's stacked tables. A task the previous revision had (same file checksum) is taken from that
+    revision's stack, so only new task files are read, and no copy of any task is kept beyond the stacks being served
+    (memory: one stack per revision still answering requests)."""
 
     def __init__(self, folder: Path, specs: Mapping[str, tuple[type, tuple[int, ...]]], verify: bool = True) -> None:
         self.folder, self.specs, self.verify = folder, dict(specs), verify
-        self._cache: dict[str, dict[str, np.ndarray]] = {}
+        self._last: tuple[dict[str, np.ndarray], dict[str, int]] = ({}, {})  # the last stack, and digest -> its row
 
     def load(self, artifact: Any) -> dict[str, np.ndarray]:
         """The feeds for ``artifact`` (a serving.artifact.Artifact at some revision): {} for a graph without tables.
@@ -123,14 +125,17 @@ class TaskTables:
         if not artifact.task_files:
             raise TableError(f"{self.folder}: the graph takes task tables but the artifact has no revisions/CURRENT")
         order = sorted(artifact.tasks.values(), key=lambda t: t.index)
-        cache = {}
+        last, rows = self._last
+        per_task: list[Mapping[str, np.ndarray]] = []
         for entry in order:
             file, digest = artifact.task_files[entry.name]
-            if digest not in self._cache:
-                path = self.folder / file
-                slices = load_slices(path, digest if self.verify else None)
-                check_slices(slices, self.specs, str(path))
-                self._cache[digest] = slices
-            cache[digest] = self._cache[digest]
-        self._cache = cache  # tasks no longer served are let go
-        return stack([cache[artifact.task_files[e.name][1]] for e in order], self.specs)
+            if digest in rows:
+                per_task.append({k: v[rows[digest]] for k, v in last.items()})  # views into the last stack
+                continue
+            path = self.folder / file
+            slices = load_slices(path, digest if self.verify else None)
+            check_slices(slices, self.specs, str(path))
+            per_task.append(slices)
+        stacked = stack(per_task, self.specs)
+        self._last = (stacked, {artifact.task_files[e.name][1]: i for i, e in enumerate(order)})
+        return stacked
