@@ -224,7 +224,11 @@ def export_artifact(
     if parity_grid not in GRIDS:
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     step = _Steps(progress, 8 if precision == "int8" else 6)
-    spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
+    try:
+        spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
+    except BaseException:  # the bar ends before the error is printed, not after it when the process exits
+        step.bar.close()
+        raise
     step("model built")
 
     out.parent.mkdir(parents=True, exist_ok=True)
