@@ -56,7 +56,7 @@ def add_int8_fp32(parser: Any) -> None:
         metavar="ROLE",
         help="with --precision int8: the backbone GEMMs left in fp32, in every layer (ROLE) or one (ROLE:LAYER, -1 the "
         f"last); roles: {', '.join(ROLES)}; 'none' quantizes them all: faster, less close to fp32 (see the "
-        f"README's precision table). Default: {', '.join(DEFAULT_FP32_ROLES)}",
+        f"docs' Export guide, Precisions). Default: {', '.join(DEFAULT_FP32_ROLES)}",
     )
 
 
