@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import numpy as np
 from fusionserve.errors import FusionServeError
 
 from .activations import token_means
+from .options import check_ranges, default
 from .predictions import TextInput
 from .runtime import OnnxRunner
 from .tokenize import Tokens
@@ -40,26 +41,36 @@ class Overloaded(FusionServeError):
     """The replica already holds as many waiting requests as it may; the caller should retry later."""
 
 
+class TooManyTokens(FusionServeError):
+    """Strict mode: inputs over the token limit. ``over``: (input index, its tokens, its text was cut first) each."""
+
+    def __init__(self, over: list[tuple[int, int, bool]], limit: int) -> None:
+        self.over, self.limit = over, limit
+        super().__init__(f"{len(over)} input(s) over the token limit of {limit}")
+
+
 @dataclass(frozen=True)
 class BatchLimits:
-    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_s``: how long a
-    batch may wait to fill once the model is free (0: it leaves at once)."""
+    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_ms``: how long a
+    batch may wait to fill once the model is free (0: it leaves at once). Defaults and checks are the serve options'
+    (serving/options.py). Raises FusionServeError for a value out of range."""
 
-    max_batch_size: int = 32
-    max_batch_tokens: int = 16384
-    max_queued: int = 64
-    batch_wait_s: float = 0.0
+    max_batch_size: int = default("max_batch_size")
+    max_batch_tokens: int = default("max_batch_tokens")
+    max_queued: int = default("max_queued")
+    batch_wait_ms: float = default("batch_wait_ms")
 
     def __post_init__(self) -> None:
-        checks = {
-            "max_batch_size": self.max_batch_size >= 1,
-            "max_batch_tokens": self.max_batch_tokens >= 1,
-            "max_queued": self.max_queued >= 1,
-            "batch_wait_s": 0 <= self.batch_wait_s <= 10,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise FusionServeError(f"batch limits out of range: {', '.join(f'{k} = {getattr(self, k)}' for k in bad)}")
+        check_ranges(asdict(self))
+
+    def check_fits(self, max_seq_len: int) -> None:
+        """Raises FusionServeError when a batch could not hold one input of ``max_seq_len`` tokens (the artifact's
+        token limit): the one bound of max_batch_tokens that depends on the artifact."""
+        if self.max_batch_tokens < max_seq_len:
+            raise FusionServeError(
+                f"max_batch_tokens = {self.max_batch_tokens} cannot hold one input of the artifact's token limit "
+                f"({max_seq_len}); allowed: >= {max_seq_len}"
+            )
 
 
 @dataclass(frozen=True)
@@ -151,11 +162,7 @@ class Scheduler:
     thread starts at the first ``submit``. ``on_batch`` is called with every batch's figures, in the model thread."""
 
     def __init__(self, runner: OnnxRunner, limits: BatchLimits, on_batch: Callable[[BatchStats], None] | None = None) -> None:
-        if limits.max_batch_tokens < runner.artifact.max_seq_len:
-            raise FusionServeError(
-                f"max_batch_tokens = {limits.max_batch_tokens} cannot hold one input of the artifact's token limit "
-                f"({runner.artifact.max_seq_len}); allowed: >= {runner.artifact.max_seq_len}"
-            )
+        limits.check_fits(runner.artifact.max_seq_len)
         self.runner, self.limits, self.on_batch = runner, limits, on_batch
         self._queue: deque[_Row] = deque()
         self._waiting = 0  # requests with rows not yet taken by a batch (admission counts these)
@@ -180,9 +187,10 @@ class Scheduler:
         with self._lock:
             return len(self._queue)
 
-    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput]) -> JobResult:
+    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput], strict: bool = False) -> JobResult:
         """Classify ``inputs`` for ``task`` (or for each of several tasks). Raises Overloaded when ``max_queued``
-        requests already wait, and what the tokenizer or the runner raises for this request's rows."""
+        requests already wait, TooManyTokens (``strict``) for inputs over the token limit, found while tokenizing,
+        off the event loop, and what the tokenizer or the runner raises for this request's rows."""
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -192,15 +200,22 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
         job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter())
-        self._tokenize.submit(self._enqueue, job, inputs)
+        self._tokenize.submit(self._enqueue, job, inputs, strict)
         return await job.future
 
-    def _enqueue(self, job: _Job, inputs: Sequence[TextInput]) -> None:
+    def _enqueue(self, job: _Job, inputs: Sequence[TextInput], strict: bool) -> None:
         """In a tokenizer thread: the request's rows join the queue, and the model thread is told. Each input is
-        tokenized once, whatever the number of tasks."""
+        tokenized once, whatever the number of tasks; in strict mode a request with an input over the token limit
+        fails instead (its length counted here too: a long text never costs the event loop)."""
+        encoder = self.runner.encoder
         try:
-            tokens = self.runner.encoder.tokens(inputs)
-        except Exception as exc:  # a tokenizer failure fails this request only
+            tokens = encoder.tokens(inputs)
+            over = [i for i, t in enumerate(tokens) if t.truncated] if strict else []
+            if over:
+                picked = [inputs[i] for i in over]
+                counts, cut = encoder.count_tokens(picked), encoder.cut(picked)
+                raise TooManyTokens(list(zip(over, counts, cut, strict=True)), encoder.max_length)
+        except Exception as exc:  # a tokenizer failure (or a strict refusal) fails this request only
             with self._lock:
                 self._waiting -= 1
             job.failed = True
@@ -221,8 +236,8 @@ class Scheduler:
                 with self._lock:
                     while not self._queue:
                         self._lock.wait()
-                    if self.limits.batch_wait_s and len(self._queue) < self.limits.max_batch_size:
-                        self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
+                    if self.limits.batch_wait_ms and len(self._queue) < self.limits.max_batch_size:
+                        self._lock.wait(self.limits.batch_wait_ms / 1000)  # a batch may wait this long to fill
                     rows = self._take()
                 if rows:
                     logits, acts = self._run(rows)

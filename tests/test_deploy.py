@@ -150,8 +150,12 @@ def test_pods_start_ray_with_the_ingress_settings_and_workers_are_ready_on_ready
     wanted = node_env("haproxy")
     for name, template in _templates(doc):
         (container,) = template["spec"]["containers"]
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
         assert set(wanted) <= set(env), f"{name} misses {set(wanted) - set(env)}"
+        # Ray's token authentication on every pod, the token from a Secret (not written in the manifest)
+        token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
+        assert env["RAY_AUTH_MODE"] == "token" and set(token) == {"name", "valueFrom"}, token
+        assert token["valueFrom"]["secretKeyRef"]["key"] == "token"
         assert {k: v for k, v in env.items() if k in wanted and k != "RAY_SERVE_HAPROXY_NBTHREAD"} == {
             k: v for k, v in wanted.items() if k != "RAY_SERVE_HAPROXY_NBTHREAD"
         }
