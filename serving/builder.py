@@ -58,6 +58,7 @@ RANGES = {
     "body_timeout_s": (lambda v: 0 < v <= 3600, "0..3600"),
     "threads": (lambda v: v is None or v >= 1, ">= 1"),
     "gpus_per_replica": (lambda v: v is None or 0 < v <= 8, "0..8"),
+    "api_key_env": (lambda v: v is None or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) is not None, "a variable name"),
 }
 
 
@@ -79,6 +80,12 @@ def check_ranges(values: dict[str, Any], flags: bool) -> None:
         raise FusionServeError(_named(f"min_replicas = {low} is above max_replicas = {high}", flags))
     if high is not None and fixed != 1:
         raise FusionServeError(_named(f"replicas = {fixed} and max_replicas: choose a fixed count or autoscaling", flags))
+    if values.get("open_metrics") is False and values.get("api_key_env") is None:
+        raise FusionServeError(
+            "--private-metrics needs an API key (--api-key, or FUSIONSERVE_API_KEY in the environment)"
+            if flags
+            else "open_metrics = false needs api_key_env: /metrics would ask for a key there is none of"
+        )
 
 
 def _named(text: str, flags: bool) -> str:
@@ -118,6 +125,11 @@ class AppArgs(BaseModel):
     device: str = "auto"
     gpus_per_replica: float | None = None  # GPUs each CUDA replica reserves; default: spread over the GPUs Ray sees now
     metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR of the replicas; default: a fresh folder name
+    # the environment variable holding the API key(s) in every replica's process (never the key itself: see
+    # serving/auth.py); set, every model route asks for one, and a replica without it refuses to start
+    api_key_env: str | None = None
+    open_metrics: bool = True  # /metrics answers without a key (false: it asks for one too)
+    default_task: str | None = None  # TEI's POST /predict and the Inference API's POST / answer for this task
 
     @model_validator(mode="after")
     def _in_range(self) -> "AppArgs":
@@ -183,13 +195,17 @@ def _cluster_gpus() -> float | None:
     return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else None
 
 
-def _check_artifact(args: AppArgs) -> None:
+def check_artifact(args: AppArgs) -> None:
     """Where the builder can read the artifact, fail here with the file's name rather than in every replica; where it
     cannot (a path only the cluster's nodes have, a runtime env's copy), the replicas check it when they start."""
     folder = Path(args.artifact)
     if not (folder / MANIFEST).is_file():
         return
     artifact = load_artifact(folder)
+    if args.default_task is not None and args.default_task not in artifact.tasks:
+        raise FusionServeError(
+            f"default_task '{args.default_task}' is not a task of {folder}; known tasks: {', '.join(artifact.tasks)}"
+        )
     if args.max_batch_tokens < artifact.max_seq_len:
         raise FusionServeError(
             f"max_batch_tokens = {args.max_batch_tokens} cannot hold one input of {artifact.max_seq_len} tokens "
@@ -204,7 +220,7 @@ def app_builder(args: AppArgs) -> Any:
 
     from .app import FusionServe
 
-    _check_artifact(args)
+    check_artifact(args)
     if args.gpus_per_replica is not None and resolve_device(args.device) == "cuda":
         # fixed, as a cluster whose GPU nodes join later (an autoscaling KubeRay group) needs: Ray holds a replica
         # until a node with a free GPU is there
@@ -231,4 +247,7 @@ def app_builder(args: AppArgs) -> Any:
     )
     limits = Limits(args.max_inputs, args.max_body_bytes, args.body_timeout_s)
     artifact = args.artifact if not Path(args.artifact).is_absolute() else str(Path(args.artifact).resolve())
-    return dep.bind(artifact, limits, args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256)
+    return dep.bind(
+        artifact, limits, args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256,
+        api_key_env=args.api_key_env, open_metrics=args.open_metrics, default_task=args.default_task,
+    )  # fmt: skip

@@ -217,8 +217,8 @@ def _delete_if_ours(serve: Any) -> None:
 
 
 def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
-    """Return once the port answers the application's own route: the replicas report ready before the ingress
-    (HAProxy) has its routes, and until then it answers 404. Raises FusionServeError after ``timeout_s``."""
+    """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
+    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises FusionServeError after ``timeout_s``."""
     import urllib.error
     import urllib.request
 
@@ -230,6 +230,10 @@ def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
             with urllib.request.urlopen(probe, timeout=5) as resp:
                 if resp.status == 200:
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:  # the application answered: it asks for its API key
+                return
+            last = str(exc)
         except (urllib.error.URLError, OSError) as exc:
             last = str(exc)
         time.sleep(0.2)
