@@ -1,5 +1,5 @@
 """End to end, the API options on a real `fusionserve serve` (Ray Serve, ONNX Runtime, HAProxy) on 127.0.0.1 with an
-API key from FUSIONSERVE_API_KEY, a default task and gRPC: every model route asks for the key over HTTP and gRPC and
+API key given as --api-key (two: rotation), a default task and gRPC: every model route asks for the key over HTTP and gRPC and
 the probes do not, the key shows nowhere; raw scores are the AdapterHub reference's logits; left truncation keeps the
 last tokens; a request still queued at its deadline gets 504 and never reaches the model, and so does the request
 of a client that hung up (counted apart); TEI's /predict and the Inference API's / answer in their shapes, and
@@ -53,9 +53,9 @@ def artifact(built_st, tmp_path_factory) -> Path:
 def server(artifact, tmp_path_factory):
     log = tmp_path_factory.mktemp("api-log") / "server.log"
     grpc_port = free_port()
-    env = dict(os.environ, FUSIONSERVE_API_KEY=f"{KEY}, {OTHER_KEY}")
-    served = launch(artifact, log, "--default-task", "rte", "--grpc-port", str(grpc_port), "--threads", "1",
-                    "--max-batch-size", "4", "--batch-wait-ms", "1000", "--max-inputs", "64", env=env)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "FUSIONSERVE_API_KEY"}
+    served = launch(artifact, log, "--api-key", f"{KEY}, {OTHER_KEY}", "--default-task", "rte", "--grpc-port", str(grpc_port),
+                    "--threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "1000", "--max-inputs", "64", env=env)  # fmt: skip
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     served.stub = pb_grpc.ClassifierStub(channel)
     yield served
@@ -297,8 +297,11 @@ def _ray_logs(pid: int) -> list[Path]:
     raise AssertionError("no Ray session below the server")
 
 
-def test_the_key_is_in_no_log_line(server):
-    """Last in the module: every route above was called, with and without the key."""
+def test_the_key_is_in_no_log_line_and_not_in_the_command_line(server):
+    """Last in the module: every route above was called, with and without the key. --api-key is blanked out of the
+    server's command line (what ps shows, and what Ray records as the job's entrypoint) before Ray starts."""
+    cmdline = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in cmdline and b"<hidden>" in cmdline
     files = [server.log, *_ray_logs(server.proc.pid)]
     assert len(files) > 10
     found = [str(p) for p in files if KEY.encode() in p.read_bytes() or OTHER_KEY.encode() in p.read_bytes()]
