@@ -9,7 +9,7 @@
 #   docker build -t fusionserve:cpu --build-arg VARIANT=cpu .  # onnxruntime, fp32 artifact
 #   docker run --shm-size=1g -p 8000:8000 fusionserve:cpu
 #
-# Without Docker: `python3 scripts/build_image.py cpu|gpu` builds it with buildah from a local Debian base (README).
+# Without Docker: `python3 scripts/build_image.py cpu|gpu` builds it with buildah from a local Debian base (docs/guides/container.md).
 #
 # Build arguments:
 #   BASE_IMAGE       any Debian/Ubuntu image whose python3 (>= 3.10) has the venv module; every stage starts from
@@ -17,7 +17,7 @@
 #   TORCH_INDEX_URL  where the export stage gets torch==2.13.0; it must be a CPU wheel (checked). Empty: the pip
 #                    configuration the build sees (the local build mounts the host's, which has the CPU wheel)
 #   SPEC             a spec file inside the build context (default: the built-in model)
-#   PRECISION        fp32 | fp16 | int8 (default fp16 for gpu, fp32 for cpu; int8: CPU only, off by default, see README)
+#   PRECISION        fp32 | fp16 | int8 (default fp16 for gpu, fp32 for cpu; int8: CPU only, off by default, see docs/guides/export.md)
 #   MAX_SEQ_LEN      a token limit for the export; empty (default): the spec's max_seq_len (64 for the built-in
 #                    model, which is trained and evaluated at 64), else the tokenizer's limit
 #   PARITY_GRID      full (default: every task on the whole shape grid) | quick (see `fusionserve export --help`)

@@ -12,6 +12,7 @@ from typing import Any
 
 from fusionserve.errors import InputError
 from fusionserve.export.gemm_roles import DEFAULT_FP32_ROLES, ROLES  # no torch, no onnx: the parser needs no export extra
+from fusionserve.scoring.files import MAX_ROW_BYTES  # no pyarrow, no onnxruntime: the parser needs no extra
 from fusionserve.serving.artifact import is_artifact, load_artifact, render_int8, render_manifest
 from fusionserve.serving.predictions import TextInput
 
@@ -55,7 +56,7 @@ def add_int8_fp32(parser: Any) -> None:
         metavar="ROLE",
         help="with --precision int8: the backbone GEMMs left in fp32, in every layer (ROLE) or one (ROLE:LAYER, -1 the "
         f"last); roles: {', '.join(ROLES)}; 'none' quantizes them all: faster, less close to fp32 (see the "
-        f"README's precision table). Default: {', '.join(DEFAULT_FP32_ROLES)}",
+        f"docs' Export guide, Precisions). Default: {', '.join(DEFAULT_FP32_ROLES)}",
     )
 
 
@@ -112,23 +113,33 @@ def add_predict(sub: Any) -> None:
     pr.add_argument("--text-pair", help="second text of a pair (with --text)")
     pr.add_argument("--output", type=Path, help="write JSONL here instead of standard output")
     pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    pr.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=MAX_ROW_BYTES,
+        help=f"with --input: a longer line gets an error line and the rest go on (default {MAX_ROW_BYTES:,}, 1 MiB)",
+    )
     pr.set_defaults(run=run_predict, needs="serve")
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    from fusionserve.scoring.files import check_output, model_files, open_output
     from fusionserve.scoring.inputs import read_jsonl
     from fusionserve.scoring.predict import predict
 
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    for name in ("batch_size", "max_row_bytes"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.text_pair is not None and args.text is None:
         raise InputError("--text-pair needs --text")
+    if args.output is not None:  # before anything runs: the output is none of the inputs and can be written
+        check_output(args.output, [*([args.input] if args.input else []), *(model_files(args.model) if args.model else [])])
     model = args.model if args.model is not None else str(default.ensure_artifact())
     if args.text is not None:
         inputs: Iterator[tuple[int, TextInput | InputError]] = iter([(1, TextInput(args.text, args.text_pair))])
     else:
-        inputs = read_jsonl(args.input)
-    out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
+        inputs = read_jsonl(args.input, args.max_row_bytes)
+    out = open_output(args.output) if args.output else sys.stdout
     try:
         ok, failed = predict(open_runner(model), args.task, inputs, out, args.batch_size, progress=args.output is not None)
     finally:

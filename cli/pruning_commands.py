@@ -82,17 +82,25 @@ def _check_batch_size(args: argparse.Namespace) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from fusionserve.scoring.calibrate import calibrate, plot_heatmap
+    from fusionserve.scoring.files import check_output, model_files, open_output
     from fusionserve.scoring.inputs import read_labelled_jsonl
     from fusionserve.serving.activations import stats_document
 
     _check_batch_size(args)
+    inputs = [args.input, *(model_files(args.model) if args.model else [])]
+    plot = args.plot or args.output.with_suffix(".png")
+    check_output(args.output, inputs)  # before the run: its result must have somewhere to go
+    if plot.resolve() == args.output.resolve():
+        raise InputError(f"--plot {plot} is --output too; name another file for the heat map")
+    check_output(plot, inputs, "--plot")
     model = args.model if args.model is not None else str(default.ensure_artifact())
     stats, bad = calibrate(open_runner(model), args.task, read_labelled_jsonl(args.input, False), args.batch_size, True)
     _report_bad(bad, str(args.input))
     doc = stats_document(stats, model, args.input, len(bad))
-    args.output.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    with open_output(args.output, "w", inputs) as fh:
+        fh.write(json.dumps(doc, indent=2) + "\n")
     try:
-        png: Path | str = plot_heatmap(doc, args.plot or args.output.with_suffix(".png"))
+        png: Path | str = plot_heatmap(doc, plot)
     except MissingDependency as exc:  # the statistics are written; only the picture needs matplotlib
         print(f"fusionserve: warning: no heat map: {exc}", file=sys.stderr)
         png = "no heat map"

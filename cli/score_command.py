@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fusionserve.scoring.files import MAX_ROW_BYTES
+
 from . import default
 
 
@@ -22,6 +24,12 @@ def add_score(sub: Any) -> None:
     sc.add_argument("--pair-field", help="field holding the second text of a pair (default: none)")
     sc.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     sc.add_argument("--chunk-size", type=int, default=1024, help="rows read, length-sorted and committed at once (default 1024)")
+    sc.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=MAX_ROW_BYTES,
+        help=f"a longer row is listed as bad and the job goes on (default {MAX_ROW_BYTES:,}, 1 MiB)",
+    )
     sc.add_argument("--all-scores", action="store_true", help="add score_<label>: every label's probability")
     sc.add_argument(
         "--raw-scores", action="store_true", help="score (and score_<label>) hold the model's logits instead of probabilities"
@@ -53,7 +61,7 @@ def run_score(args: argparse.Namespace) -> int:
         model=Path(args.model) if args.model is not None else default.ensure_artifact(),
         task=args.task[0] if len(args.task) == 1 else tuple(args.task),
         input=args.input, output=args.output, text_field=args.text_field, pair_field=args.pair_field,
-        batch_size=args.batch_size, chunk_size=args.chunk_size, all_scores=args.all_scores,
+        batch_size=args.batch_size, chunk_size=args.chunk_size, max_row_bytes=args.max_row_bytes, all_scores=args.all_scores,
         activations=args.activations, prefix=args.prefix, threads=args.threads, overwrite=args.overwrite,
         ray=args.ray, ray_address=args.ray_address, ray_actors=args.ray_actors,
         truncation_direction=args.truncation_direction, raw_scores=args.raw_scores,

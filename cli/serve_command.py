@@ -9,10 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import FusionServeError
+from fusionserve.serving import options
 from fusionserve.serving.ingress import INGRESSES
 from fusionserve.settings import API_KEY_ENV, api_keys, parse_keys
 
 from . import default
+
+
+def _d(name: str) -> str:
+    """An option's default for its help (serving/options.py holds it)."""
+    value = options.default(name)
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def add_serve(sub: Any) -> None:
@@ -22,30 +29,42 @@ def add_serve(sub: Any) -> None:
         nargs="?",
         help="artifact folder written by `fusionserve export`; default: the built-in model, exported on first use",
     )
-    sv.add_argument("--host", help="HTTP bind address (default 127.0.0.1; see the README's security notes)")
+    sv.add_argument("--host", help="HTTP bind address (default 127.0.0.1; see the docs' Serving guide, security notes)")
     sv.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    sv.add_argument("--replicas", type=int, help="model replicas, each with its own ONNX Runtime session (default 1)")
+    sv.add_argument(
+        "--replicas", type=int, help=f"model replicas, each with its own ONNX Runtime session (default {_d('replicas')})"
+    )
     sv.add_argument("--threads", type=int, help="ONNX Runtime threads per replica (default: CPUs / replicas)")
-    sv.add_argument("--max-batch-size", type=int, help="most texts in one model call (default 32)")
+    sv.add_argument("--max-batch-size", type=int, help=f"most texts in one model call (default {_d('max_batch_size')})")
     sv.add_argument(
         "--max-batch-tokens",
         type=int,
-        help="most padded tokens (texts x longest) in one model call (default 16384)",
+        help=f"most padded tokens (texts x longest) in one model call (default {_d('max_batch_tokens')})",
     )
     sv.add_argument(
         "--batch-wait-ms",
         type=float,
-        help="how long a batch may wait to fill once the model is free (default 0: none)",
+        help=f"how long a batch may wait to fill once the model is free (default {_d('batch_wait_ms')}: none)",
     )
-    sv.add_argument("--max-queued", type=int, help="requests a replica lets wait for the model; past it 503 at once (default 64)")
+    sv.add_argument(
+        "--max-queued",
+        type=int,
+        help=f"requests a replica lets wait for the model; past it 503 at once (default {_d('max_queued')})",
+    )
     sv.add_argument(
         "--max-ongoing",
         type=int,
         help="requests Serve hands a replica at once (default 1024: the replica's own queue refuses first)",
     )
-    sv.add_argument("--max-inputs", type=int, help="most inputs in one request, else 413 (default 64)")
-    sv.add_argument("--max-body-bytes", type=int, help="largest request body, else 413 (default 1000000)")
-    sv.add_argument("--body-timeout-s", type=float, help="a request body not complete by then is answered 408 (default 10)")
+    sv.add_argument("--max-inputs", type=int, help=f"most inputs in one request, else 413 (default {_d('max_inputs')})")
+    sv.add_argument(
+        "--max-body-bytes", type=int, help=f"largest request body or gRPC message, else 413 (default {_d('max_body_bytes')})"
+    )
+    sv.add_argument(
+        "--body-timeout-s",
+        type=float,
+        help=f"a request body not complete by then is answered 408 (default {_d('body_timeout_s')})",
+    )
     sv.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -56,7 +75,7 @@ def add_serve(sub: Any) -> None:
         "--ingress",
         choices=list(INGRESSES),
         help="haproxy: HAProxy hands connections straight to the replicas' own HTTP ports; proxy: Serve's proxy actor "
-        f"forwards each request over Ray (default {INGRESSES[0]}; see the README for the measured difference)",
+        f"forwards each request over Ray (default {INGRESSES[0]}; see the docs' Serving guide)",
     )
     sv.add_argument(
         "--replace", action="store_true", help="on a Ray cluster (RAY_ADDRESS) that already runs fusionserve: replace it"
@@ -112,11 +131,23 @@ def _add_scaling(sv: Any) -> None:
     scale = sv.add_argument_group("autoscaling (Serve's autoscaling_config; both --min- and --max-replicas turn it on)")
     scale.add_argument("--min-replicas", type=int, help="fewest replicas (>= 1)")
     scale.add_argument("--max-replicas", type=int, help="most replicas")
-    scale.add_argument("--target-ongoing-requests", type=float, help="ongoing requests per replica Serve scales to (default 2)")
-    scale.add_argument("--upscale-delay-s", type=float, help="load held this long adds replicas (default 30)")
-    scale.add_argument("--downscale-delay-s", type=float, help="low load held this long removes replicas (default 600)")
-    scale.add_argument("--look-back-period-s", type=float, help="window the ongoing requests are averaged over (default 30)")
-    cluster = sv.add_argument_group("clusters and stock Ray tools (see the README's Scaling out)")
+    scale.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        help=f"ongoing requests per replica Serve scales to (default {_d('target_ongoing_requests')})",
+    )
+    scale.add_argument(
+        "--upscale-delay-s", type=float, help=f"load held this long adds replicas (default {_d('upscale_delay_s')})"
+    )
+    scale.add_argument(
+        "--downscale-delay-s", type=float, help=f"low load held this long removes replicas (default {_d('downscale_delay_s')})"
+    )
+    scale.add_argument(
+        "--look-back-period-s",
+        type=float,
+        help=f"window the ongoing requests are averaged over (default {_d('look_back_period_s')})",
+    )
+    cluster = sv.add_argument_group("clusters and stock Ray tools (see the docs' Scaling out guide)")
     cluster.add_argument(
         "--ship-artifact",
         action="store_true",
@@ -141,8 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "look_back_period_s", "ship_artifact", "default_task",
     )  # fmt: skip
     # an option not given is left out: its default is the application's (AppArgs), written in one place
-    options = {n: getattr(args, n) for n in names if getattr(args, n) is not None} | _api_key_options(args)
-    cfg = ServerConfig(artifact, **options)
+    chosen = {n: getattr(args, n) for n in names if getattr(args, n) is not None} | _api_key_options(args)
+    cfg = ServerConfig(artifact, **chosen)
     if args.print_config:
         from fusionserve.serving.serve_config import render
 

@@ -101,11 +101,23 @@ def _check_options(precision: str, opset: int, out: Path, force: bool) -> None:
         raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
 
 
+def _check_out_holds_no_input(spec: ModelSpec, out: Path) -> None:
+    """``--out`` is replaced (with --force) by the artifact: it must not be, or hold, the spec or a folder it reads.
+    Raises FusionServeError naming both."""
+    for task in spec.tasks.values():
+        for path in (spec.path, spec.base_model, *spec.adapters.values(), task.head, task.fusion):
+            if path is not None and path.is_relative_to(out):
+                raise FusionServeError(
+                    f"--out {out} holds {path}, which the spec reads; the export would replace it: choose another folder"
+                )
+
+
 def _built(
-    spec_path: str | Path, tasks: Sequence[str] | None, dropped: Dropped | None, max_seq_len: int | None
+    spec_path: str | Path, tasks: Sequence[str] | None, dropped: Dropped | None, max_seq_len: int | None, out: Path
 ) -> tuple[ModelSpec, FusionModel, Any, int]:
     """(spec, folded model, base tokenizer, token limit): the limit asked for, checked, or the tokenizer's."""
     spec = load_spec(spec_path)
+    _check_out_holds_no_input(spec, out)
     if tasks:
         spec = spec.select(tasks)
     from .build import build_model
@@ -212,7 +224,7 @@ def export_artifact(
     if parity_grid not in GRIDS:
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     step = _Steps(progress, 8 if precision == "int8" else 6)
-    spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len)
+    spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
     step("model built")
 
     out.parent.mkdir(parents=True, exist_ok=True)

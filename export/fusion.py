@@ -10,7 +10,7 @@ As AdapterHub computes it (Pfeiffer ``seq_bn``: ``ln_before``; Houlsby ``double_
     x   = LN(f + a) if ln_before else f       the adapters' input, and the fusion query (f with query_before_ln)
     out = LN(o + f + a)                        o = the fusion's mix of adapter outputs (or the single adapter's)
 
-The fusion is the exact algebra derived in docs/fusion-math.md, pushed one step further so that no
+The fusion is the exact algebra derived in docs/concepts/fusion.md, pushed one step further so that no
 (batch, seq, N, hidden) tensor and no hidden x hidden product per adapter is left:
 
     score_n = z_n . u,   u = K^T (Q q + b_q)         (the b_k term is equal for all n: softmax drops it)

@@ -20,6 +20,7 @@ from fusionserve.serving.activations import token_sums
 from fusionserve.serving.artifact import TaskEntry
 from fusionserve.serving.runner import ActivationRunner
 
+from .files import open_output
 from .inputs import LabelledInput, batched
 
 
@@ -125,6 +126,7 @@ def plot_heatmap(doc: dict[str, Any], out: Path) -> Path:
         ax.set_title(f"{name}: fusion weight per token, mean ± std over {t['tokens']:,} tokens", fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.03)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    with open_output(out, "wb", what="--plot") as fh:
+        fig.savefig(fh, format=out.suffix.lstrip(".").lower() or "png", dpi=120)
     plt.close(fig)
     return out

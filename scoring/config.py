@@ -9,6 +9,8 @@ from pathlib import Path
 from fusionserve.errors import InputError
 from fusionserve.serving.tokenize import TRUNCATION_DIRECTIONS
 
+from .files import MAX_ROW_BYTES
+
 
 @dataclass(frozen=True)
 class ScoreConfig:
@@ -22,6 +24,7 @@ class ScoreConfig:
     pair_field: str | None = None
     batch_size: int = 32
     chunk_size: int = 1024
+    max_row_bytes: int = MAX_ROW_BYTES  # a longer row is reported as bad, and the job goes on
     all_scores: bool = False
     activations: bool = False
     prefix: str = ""
@@ -39,7 +42,7 @@ class ScoreConfig:
             raise InputError(
                 f"--truncation-direction '{self.truncation_direction}' is not known; allowed: {', '.join(TRUNCATION_DIRECTIONS)}"
             )
-        for name in ("batch_size", "chunk_size", "threads", "ray_actors"):
+        for name in ("batch_size", "chunk_size", "max_row_bytes", "threads", "ray_actors"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -49,8 +52,6 @@ class ScoreConfig:
             raise InputError(f"--pair-field must differ from --text-field, both are '{self.text_field}'")
         if self.ray_actors is not None and not self.uses_ray:
             raise InputError("--ray-actors needs --ray or --ray-address")
-        if self.output_path.resolve() == self.input.resolve():
-            raise InputError(f"--output must differ from --input, both are {self.input}")
         if not self.tasks:
             raise InputError("--task: name at least one task")
         repeated = sorted({t for t in self.tasks if self.tasks.count(t) > 1})

@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 from fusionserve.errors import InputError
 from fusionserve.serving.predictions import TextInput
 
+from .files import MAX_ROW_BYTES, lines, not_utf8, open_input, too_long
+
 T = TypeVar("T")
 
 
@@ -24,20 +26,27 @@ class LabelledInput:
     label: str | None
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object or the InputError of that line); blank lines are skipped."""
-    try:
-        handle = path.open(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"cannot read input file {path}: {exc.strerror}") from None
-    with handle:
-        for no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield no, InputError(f"not valid JSON: {exc.msg} (column {exc.colno})")
+def _json_lines(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object or the InputError of that line); blank lines are skipped. The file is opened
+    now: raises InputError when it is missing, a folder, unreadable or not UTF-8 text (``files.open_input``)."""
+    handle = open_input(path)
+
+    def rows() -> Iterator[tuple[int, Any]]:
+        with handle:
+            for no, line, size in lines(handle, max_row_bytes):
+                if line is None:
+                    yield no, too_long(size, max_row_bytes)
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    yield no, json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    yield no, not_utf8(line, exc)
+                except json.JSONDecodeError as exc:
+                    yield no, InputError(f"not valid JSON: {exc.msg} (column {exc.colno})")
+
+    return rows()
 
 
 def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -52,9 +61,14 @@ def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, TextInput | InputError]]:
-    """(line number, input or the error that line has); blank lines are skipped. Raises InputError if unreadable."""
-    for no, obj in _json_lines(path):
+def read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, TextInput | InputError]]:
+    """(line number, input or the error that line has); blank lines are skipped. Raises InputError, now, if the file
+    is unreadable."""
+    return _inputs(_json_lines(path, max_row_bytes))
+
+
+def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, TextInput | InputError]]:
+    for no, obj in objects:
         try:
             yield no, obj if isinstance(obj, InputError) else TextInput.from_json(obj)
         except InputError as exc:
@@ -63,7 +77,11 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, TextInput | InputError]]:
 
 def read_labelled_jsonl(path: Path, require_label: bool) -> Iterator[tuple[int, LabelledInput | InputError]]:
     """Like ``read_jsonl``, lines may also carry ``"label"``: a string, required when ``require_label``."""
-    for no, obj in _json_lines(path):
+    return _labelled(_json_lines(path), require_label)
+
+
+def _labelled(objects: Iterator[tuple[int, Any]], require_label: bool) -> Iterator[tuple[int, LabelledInput | InputError]]:
+    for no, obj in objects:
         if isinstance(obj, InputError):
             yield no, obj
             continue

@@ -17,6 +17,8 @@ from typing import Any
 
 from fusionserve.errors import InputError
 
+from .files import open_output
+
 PROGRESS_FORMAT = "fusionserve-score-progress"
 
 
@@ -51,7 +53,7 @@ class Progress:
     def save(self, path: Path) -> None:
         """Atomically: a crash leaves the old file or the new one, never half of one."""
         tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8") as fh:
+        with open_output(tmp, "w", what="progress file") as fh:
             fh.write(json.dumps(asdict(self), indent=1) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

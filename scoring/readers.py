@@ -9,9 +9,9 @@ counted), the data row after the header for CSV, the row for Parquet.
 from __future__ import annotations
 
 import csv
-import io
 import itertools
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +23,12 @@ import pyarrow.parquet as pq
 from fusionserve.errors import InputError
 from fusionserve.serving.predictions import TextInput
 
+from .files import MAX_ROW_BYTES, lines, not_utf8, open_input, too_long
+
 Record = dict[str, Any]
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 _PARQUET_READ_ROWS = 4096  # rows decoded at a time: bounds memory whatever the file's row-group size
+_ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as decoding with surrogateescape keeps it
 # csv's default field limit (128 KiB) refuses long documents; the limit is module-global, so raise it once here
 csv.field_size_limit(1 << 30)
 
@@ -51,13 +54,11 @@ class Source:
 
 
 def open_source(path: Path) -> Source:
-    """Check ``path`` and read its header or schema. Raises InputError when it is missing, unreadable, of an
-    unknown format, or a CSV without a header row."""
+    """Check ``path`` and read its header or schema. Raises InputError when it is missing, a folder, unreadable, not
+    UTF-8 text (JSONL, CSV), of an unknown format, or a CSV without a header row."""
     fmt = format_of(path)
-    if not path.is_file():
-        raise InputError(f"input file not found: {path}")
     try:
-        with path.open("rb") as fh:
+        with open_input(path, text=fmt != "parquet") as fh:
             if fmt == "csv":
                 return Source(path, fmt, csv_header(fh, path), None, None)
             if fmt == "parquet":
@@ -71,38 +72,76 @@ def open_source(path: Path) -> Source:
     return Source(path, fmt, None, None, None)
 
 
+class _CsvLines:
+    """The lines of a CSV file as text for ``csv.reader``, counting the bytes of the row being read (the reader
+    pulls exactly the lines of one row before it yields it). Bytes that are not UTF-8 pass as surrogate escapes, so
+    that the row holding them is the one reported; a line over the limit passes as an empty line."""
+
+    def __init__(self, fh: BinaryIO, max_row_bytes: int) -> None:
+        self.max_row_bytes = max_row_bytes
+        self.lines, self.row_bytes, self.cut = lines(fh, max_row_bytes), 0, False
+
+    def __iter__(self) -> Iterator[str]:
+        for _, line, size in self.lines:
+            self.row_bytes += size
+            self.cut |= line is None
+            yield "\n" if line is None else line.decode("utf-8", "surrogateescape")
+
+    def row_error(self, fields: Sequence[str]) -> InputError | None:
+        """The error of the row just read (over the limit, or bytes that are not UTF-8); starts the next row."""
+        size, cut, self.row_bytes, self.cut = self.row_bytes, self.cut, 0, False
+        if cut or size > self.max_row_bytes:
+            return too_long(size, self.max_row_bytes)
+        for i, field in enumerate(fields, start=1):
+            if _ESCAPED.search(field) is not None:
+                raw = field.encode("utf-8", "surrogateescape")
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return InputError(f"field {i}: {not_utf8(raw, exc)}")
+        return None
+
+
 def csv_header(fh: BinaryIO, path: Path | str) -> tuple[str, ...]:
-    """The first row of a CSV file. Raises InputError for an empty file or repeated column names."""
-    header = next(csv.reader(_text(fh)), None)
+    """The first row of a CSV file. Raises InputError for an empty file, a header that is not UTF-8 or repeated
+    column names."""
+    text = _CsvLines(fh, MAX_ROW_BYTES)
+    header = next(csv.reader(text), None)
     if not header:
         raise InputError(f"{path} has no header row (the first row names the columns)")
+    bad = text.row_error(header)
+    if bad is not None:
+        raise InputError(f"{path}: the header row: {bad}")
     repeated = sorted({c for c in header if header.count(c) > 1})
     if repeated:
         raise InputError(f"{path}: column name(s) {', '.join(map(repr, repeated))} appear more than once in the header")
     return tuple(header)
 
 
-def _text(fh: BinaryIO) -> io.TextIOWrapper:
-    # utf-8-sig: spreadsheet exports start with a byte-order mark; newline="" lets csv handle quoted line breaks
-    return io.TextIOWrapper(fh, encoding="utf-8-sig", newline="")
-
-
-def raw_rows(fmt: str, fh: BinaryIO, path: Path | str) -> Iterator[tuple[int, Any]]:
+def raw_rows(fmt: str, fh: BinaryIO, path: Path | str, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
     """(row number, payload) for every row of an open file: the line (bytes) for JSONL, the fields for CSV, the
-    record for Parquet. Raises InputError where the file itself is unreadable (CSV that is not UTF-8)."""
+    record for Parquet; a row over ``max_row_bytes`` or (CSV) not UTF-8 comes as its InputError instead, and the
+    rows after it go on. Raises InputError where the file itself is unreadable (CSV the csv module refuses)."""
     if fmt == "jsonl":
-        for no, line in enumerate(fh, start=1):
-            if line.strip():
+        for no, line, size in lines(fh, max_row_bytes):
+            if line is None:
+                yield no, too_long(size, max_row_bytes)
+            elif line.strip():
                 yield no, line
     elif fmt == "csv":
-        reader = csv.reader(_text(fh))
+        text = _CsvLines(fh, max_row_bytes)
+        reader = csv.reader(text)
         no = 0
         try:
             next(reader, None)  # the header
+            text.row_error(())
             for no, fields in enumerate(reader, start=1):
-                if fields:
+                bad = text.row_error(fields)
+                if bad is not None:
+                    yield no, bad
+                elif fields:
                     yield no, fields
-        except (UnicodeDecodeError, csv.Error) as exc:
+        except csv.Error as exc:
             raise InputError(f"{path}: cannot read data row {no + 1}: {exc}") from None
     else:
         no = 0
@@ -119,13 +158,16 @@ def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def parse(fmt: str, payload: Any, header: Sequence[str] | None = None) -> Record | InputError:
-    """A payload of ``raw_rows`` as a record, or the InputError saying why it is not one."""
+def parse(fmt: str, payload: Any, header: Sequence[str] | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Record | InputError:
+    """A payload of ``raw_rows`` as a record, or the InputError saying why it is not one (a Parquet record's text
+    and bytes values together over ``max_row_bytes`` included: Ray reads them without ``raw_rows``)."""
+    if isinstance(payload, InputError):
+        return payload
     if fmt == "jsonl":
         try:
-            obj = json.loads(payload)
-        except UnicodeDecodeError:
-            return InputError("not valid UTF-8")
+            obj = json.loads(payload.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            return not_utf8(payload, exc)
         except json.JSONDecodeError as exc:
             return InputError(f"not valid JSON: {exc.msg} (column {exc.colno})")
         if not isinstance(obj, dict):
@@ -137,7 +179,8 @@ def parse(fmt: str, payload: Any, header: Sequence[str] | None = None) -> Record
         if len(payload) != len(header):
             return InputError(f"has {len(payload)} field(s), the header has {len(header)}")
         return dict(zip(header, payload, strict=True))
-    return payload
+    size = sum(len(v) for v in payload.values() if isinstance(v, (str, bytes)))
+    return too_long(size, max_row_bytes) if size > max_row_bytes else payload
 
 
 def to_input(record: Record, text_field: str, pair_field: str | None) -> TextInput | InputError:

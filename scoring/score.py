@@ -30,6 +30,7 @@ from fusionserve.serving.runtime import OnnxRunner
 
 from .config import ScoreConfig
 from .core import Added, score_records
+from .files import check_output, model_files, open_input
 from .progress import Progress, prepare, side_files
 from .readers import Source, format_of, open_source, parse, raw_rows
 from .sink import Sink
@@ -97,8 +98,9 @@ def _check_columns(cfg: ScoreConfig, source: Source, added: Added) -> None:
     if source.columns is not None:
         cols, seen = set(source.columns), f"; columns: {', '.join(source.columns)}"
     else:
-        with cfg.input.open("rb") as fh:
-            sample = [parse("jsonl", p) for _, p in itertools.islice(raw_rows("jsonl", fh, cfg.input), cfg.chunk_size)]
+        with open_input(cfg.input) as fh:
+            rows = itertools.islice(raw_rows("jsonl", fh, cfg.input, cfg.max_row_bytes), cfg.chunk_size)
+            sample = [parse("jsonl", p) for _, p in rows]
         records = [r for r in sample if not isinstance(r, InputError)]
         if not records:
             return  # nothing parsable to judge by: every row will be reported
@@ -157,6 +159,15 @@ def _open_model(model: Path) -> Artifact:
     return load_artifact(model)
 
 
+def _check_outputs(cfg: ScoreConfig) -> None:
+    """The output and its side files are none of the job's inputs and can be written. Raises InputError."""
+    inputs = [cfg.input, *model_files(cfg.model)]
+    errors, progress, _ = side_files(cfg.output_path)
+    check_output(cfg.output_path, inputs)
+    for path in (errors, progress):
+        check_output(path, inputs, f"{cfg.output_path.name}'s side file")
+
+
 def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
     """Score ``cfg.input`` into ``cfg.output_path``, going on from where an earlier run of the same job stopped.
     ``max_rows``: stop after that many rows this run (a later call goes on; local path only).
@@ -177,6 +188,7 @@ def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
         raise InputError("max_rows stops a local run; --ray does not resume")
     added = Added.of(cfg, entries)
     _check_columns(cfg, source, added)
+    _check_outputs(cfg)
     state = prepare(cfg.output_path, _run_identity(cfg, artifact, out_fmt), cfg.overwrite, str(cfg.input), str(artifact.folder))
     resumed_from, started = state.rows_done, time.perf_counter()
     errors_path = side_files(cfg.output_path)[0]
@@ -214,14 +226,14 @@ def _score_local(
     cfg: ScoreConfig, source: Source, runner: OnnxRunner, sink: Sink, on_rows: Callable[[int], object], max_rows: int | None
 ) -> bool:
     """Chunk by chunk, each committed before the next is read; True when the input is exhausted."""
-    with source.path.open("rb") as fh:
-        rows = itertools.islice(raw_rows(source.fmt, fh, source.path), sink.state.rows_done, None)
+    with open_input(source.path, text=source.fmt != "parquet") as fh:
+        rows = itertools.islice(raw_rows(source.fmt, fh, source.path, cfg.max_row_bytes), sink.state.rows_done, None)
         left = max_rows
         while left is None or left > 0:
             chunk = list(itertools.islice(rows, cfg.chunk_size if left is None else min(cfg.chunk_size, left)))
             if not chunk:
                 return True
-            records = [parse(source.fmt, payload, source.columns) for _, payload in chunk]
+            records = [parse(source.fmt, payload, source.columns, cfg.max_row_bytes) for _, payload in chunk]
             results = score_records(
                 runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations, on_rows,
                 cfg.truncation_direction, cfg.raw_scores,

@@ -42,7 +42,7 @@ from .readers import Record, Source, chunked, parse, raw_rows
 from .sink import Sink
 
 _PREFIX = "__fusionserve_"  # the columns we add beside the input's own
-ROW, PAYLOAD = _PREFIX + "row", _PREFIX + "payload"
+ROW, PAYLOAD, READ_ERROR = _PREFIX + "row", _PREFIX + "payload", _PREFIX + "read_error"
 
 
 class RowsDatasource(FileBasedDatasource):
@@ -50,9 +50,9 @@ class RowsDatasource(FileBasedDatasource):
     (``__fusionserve_row``): JSONL lines and CSV field lists in ``__fusionserve_payload``, Parquet columns as
     they are."""
 
-    def __init__(self, path: str, fmt: str, chunk_size: int) -> None:
+    def __init__(self, path: str, fmt: str, chunk_size: int, max_row_bytes: int) -> None:
         super().__init__(path)
-        self.fmt, self.chunk_size = fmt, chunk_size
+        self.fmt, self.chunk_size, self.max_row_bytes = fmt, chunk_size, max_row_bytes
 
     def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> pa.NativeFile:
         if self.fmt == "parquet":  # Parquet needs random access (the footer first), not a stream
@@ -68,9 +68,12 @@ class RowsDatasource(FileBasedDatasource):
                 yield pa.Table.from_batches([batch]).append_column(ROW, rows)
             return
         kind = pa.binary() if self.fmt == "jsonl" else pa.list_(pa.string())
-        for chunk in chunked(raw_rows(self.fmt, io.BufferedReader(f), path), self.chunk_size):
-            rows, payloads = pa.array([no for no, _ in chunk], pa.int64()), pa.array([p for _, p in chunk], kind)
-            yield pa.table({ROW: rows, PAYLOAD: payloads})
+        for chunk in chunked(raw_rows(self.fmt, io.BufferedReader(f), path, self.max_row_bytes), self.chunk_size):
+            bad = [isinstance(p, InputError) for _, p in chunk]  # a row too long, or not UTF-8: its reason goes along
+            rows = pa.array([no for no, _ in chunk], pa.int64())
+            payloads = pa.array([None if b else p for b, (_, p) in zip(bad, chunk, strict=True)], kind)
+            errors = pa.array([str(p) if b else None for b, (_, p) in zip(bad, chunk, strict=True)], pa.string())
+            yield pa.table({ROW: rows, PAYLOAD: payloads, READ_ERROR: errors})
 
 
 class ScoreBatches:
@@ -83,7 +86,7 @@ class ScoreBatches:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         cfg = self.cfg
-        records = _records(batch, self.fmt, self.header)
+        records = _records(batch, self.fmt, self.header, self.cfg.max_row_bytes)
         results = score_records(self.runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size,
                                 cfg.activations, None, cfg.truncation_direction, cfg.raw_scores)  # fmt: skip
         ok = [None if isinstance(r, InputError) else r for r in results]  # per row: one Scored per task
@@ -101,10 +104,12 @@ class ScoreBatches:
         return batch
 
 
-def _records(batch: pa.Table, fmt: str, header: tuple[str, ...] | None) -> list[Record | InputError]:
+def _records(batch: pa.Table, fmt: str, header: tuple[str, ...] | None, max_row_bytes: int) -> list[Record | InputError]:
     if fmt == "parquet":
-        return batch.select([c for c in batch.column_names if not c.startswith(_PREFIX)]).to_pylist()
-    return [parse(fmt, p, header) for p in batch.column(PAYLOAD).to_pylist()]
+        own = batch.select([c for c in batch.column_names if not c.startswith(_PREFIX)])
+        return [parse(fmt, r, None, max_row_bytes) for r in own.to_pylist()]
+    payloads, errors = batch.column(PAYLOAD).to_pylist(), batch.column(READ_ERROR).to_pylist()
+    return [InputError(e) if e is not None else parse(fmt, p, header) for p, e in zip(payloads, errors, strict=True)]
 
 
 def _results(batch: pa.Table, activations: bool) -> list[tuple[Scored, ...] | InputError]:
@@ -136,7 +141,7 @@ def score_with_ray(cfg: ScoreConfig, source: Source, artifact: Artifact, sink: S
         path = str(Path(source.path).resolve())
         # Reading reserves no CPU: the actors hold every slot, and a read task waiting for one would wait forever.
         # (So no read_parquet either: in Ray 2.60 it lists files in a task that always asks for a whole CPU.)
-        ds = ray.data.read_datasource(RowsDatasource(path, source.fmt, cfg.chunk_size), num_cpus=0)
+        ds = ray.data.read_datasource(RowsDatasource(path, source.fmt, cfg.chunk_size, cfg.max_row_bytes), num_cpus=0)
         ds = ds.map_batches(
             ScoreBatches,
             fn_constructor_kwargs={"cfg": cfg, "artifact": str(artifact.folder), "fmt": source.fmt, "header": source.columns},
@@ -148,7 +153,9 @@ def score_with_ray(cfg: ScoreConfig, source: Source, artifact: Artifact, sink: S
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             n = batch.num_rows
             sink.write(
-                batch.column(ROW).to_pylist(), _records(batch, source.fmt, source.columns), _results(batch, cfg.activations)
+                batch.column(ROW).to_pylist(),
+                _records(batch, source.fmt, source.columns, cfg.max_row_bytes),
+                _results(batch, cfg.activations),
             )
             sink.commit(n)
             on_rows(n)

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
 
+from .files import open_output
 from .readers import Record, csv_header
 
 
@@ -62,7 +63,7 @@ def _truncate(path: Path, size: int) -> None:
             "pass --overwrite to start over"
         )
     if path.exists():
-        with path.open("r+b") as fh:
+        with open_output(path, "r+b", what="output") as fh:
             fh.truncate(size)
 
 
@@ -70,7 +71,7 @@ class _AppendFile:
     def __init__(self, path: Path, keep_bytes: int) -> None:
         _truncate(path, keep_bytes)
         self.path = path
-        self.fh = path.open("ab")
+        self.fh = open_output(path, "ab", what="output")
 
     def commit(self) -> int:
         """Flush and fsync; returns the file's size, where a later run goes on."""

@@ -17,7 +17,7 @@ Needs root and `apt-get install buildah debootstrap`. Only the Python standard l
   OCI format drops the HEALTHCHECK.
 
 Run the image with ``buildah from`` + ``buildah run --isolation chroot --network host CONTAINER -- CMD``
-(tests/test_image.py does, README "Docker" shows it).
+(tests/test_image.py does, docs/guides/container.md shows it).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc
 from .metrics import Metrics
+from .options import bounded
 from .predictions import TextInput
 from .runtime import OnnxRunner
 from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
@@ -43,6 +44,8 @@ app = FastAPI(
     docs_url=None,  # served below from the package's own Swagger UI files: the default loads them from a CDN
     redoc_url=None,
 )
+# no 307 to the path without its trailing slash: Starlette builds that redirect from the request's Host header
+app.router.redirect_slashes = False
 _JSON = "application/json"
 _READY_EVERY_S = 5.0
 _replica: "FusionServe | None" = None  # this process's replica (Serve runs one per process): the fast path's target
@@ -91,7 +94,29 @@ class _KeyGuard:
         await response(scope, receive, send)
 
 
+class _HeadAsGet:
+    """HEAD on a GET route answers as GET would, without the body (Starlette's plain routes do this; FastAPI's do not,
+    so HEAD /healthz was a 405)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: dict[str, Any]) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+            elif not message.get("more_body", False):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 app.add_middleware(_ClassifyFastPath)
+app.add_middleware(_HeadAsGet)
 app.add_middleware(_KeyGuard)  # added last: the outermost, in front of the fast path too
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
@@ -100,7 +125,7 @@ _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "te
 def _error(status: int, reason: str, message: str, extra: dict[str, str] | None = None) -> Response:
     # after a body that never completed, the connection is out of step: close it rather than keep it alive
     headers = ({"connection": "close"} if status == 408 else {}) | (extra or {})
-    return _json({"error": {"type": reason, "message": message}}, status, headers)
+    return _json({"error": {"type": reason, "message": bounded(message)}}, status, headers)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -124,6 +149,20 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(payload), status, headers, media_type=_JSON)
+
+
+def _check_media(content_type: str | None, encoding: str | None) -> None:
+    """A body must say it is JSON, uncompressed: a ``text/plain`` or form POST is what a cross-site page may send
+    without a CORS preflight, and a compressed body would only fail later as "not valid JSON". Raises HTTPError 415."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != _JSON and not (media.startswith("application/") and media.endswith("+json")):
+        raise HTTPError(
+            415, "unsupported_media_type", f"Content-Type {content_type or '(none)'!r:.100} is not supported; send {_JSON}"
+        )
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise HTTPError(
+            415, "unsupported_media_type", f"Content-Encoding {encoding!r:.100} is not supported; send the body uncompressed"
+        )
 
 
 def _where() -> dict[str, str]:
@@ -198,6 +237,7 @@ class FusionServe:
         responses={
             404: {"description": "unknown task"},
             413: {"description": "too large"},
+            415: {"description": "not application/json, or compressed"},
             422: {"description": "bad request body"},
             503: {"description": "overloaded: the replica's queue is full; retry later"},
         },
@@ -250,7 +290,7 @@ class FusionServe:
             try:
                 await self.scheduler.submit(task, (TextInput("ready"),))
             except Exception as exc:  # any failure of the model path means not ready; say which
-                return _json({"status": "not ready", "error": f"{type(exc).__name__}: {exc}"}, 503)
+                return _json({"status": "not ready", "error": bounded(f"{type(exc).__name__}: {exc}")}, 503)
             self._ready_at = time.monotonic()
         return _json({"status": "ready"})
 
@@ -296,6 +336,7 @@ class FusionServe:
         return _json(preds if nested or shape["batch"] else preds[0], headers=self._headers)
 
     async def _read_body(self, request: Request) -> bytes:
+        _check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:

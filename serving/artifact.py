@@ -112,6 +112,11 @@ def load_artifact(folder: str | Path, verify: bool = True) -> Artifact:
     if not isinstance(files, dict) or MODEL_FILE not in files or TOKENIZER_FILE not in files:
         raise ArtifactError(f"{path}: field 'files' must list {MODEL_FILE} and {TOKENIZER_FILE} with their sha256")
     for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ArtifactError(
+                f"{path}: field 'files' lists {str(name)[:200]!r}, which is not a file name of the artifact folder; "
+                "entries name files in the folder itself (no folders, no '..', no absolute paths)"
+            )
         f = folder / name
         if not f.is_file():
             raise ArtifactError(f"{folder}: {name} is missing (the manifest lists it)")

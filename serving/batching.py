@@ -27,15 +27,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from fusionserve.errors import FusionServeError
 
 from .activations import token_means
+from .options import check_ranges, default
 from .predictions import TextInput
+from .results import BatchStats, JobResult, TaskResult, shares
 from .runtime import OnnxRunner
 from .tokenize import Tokens
 
@@ -48,75 +49,36 @@ class DeadlineExceeded(FusionServeError):
     """A request's deadline passed while it waited for the model: it was dropped before the model ran any of it."""
 
 
+class TooManyTokens(FusionServeError):
+    """Strict mode: inputs over the token limit. ``over``: (input index, its tokens, its text was cut first) each."""
+
+    def __init__(self, over: list[tuple[int, int, bool]], limit: int) -> None:
+        self.over, self.limit = over, limit
+        super().__init__(f"{len(over)} input(s) over the token limit of {limit}")
+
+
 @dataclass(frozen=True)
 class BatchLimits:
-    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_s``: how long a
-    batch may wait to fill once the model is free (0: it leaves at once)."""
+    """How batches form. ``max_queued``: requests that may wait for the model at once; ``batch_wait_ms``: how long a
+    batch may wait to fill once the model is free (0: it leaves at once). Defaults and checks are the serve options'
+    (serving/options.py). Raises FusionServeError for a value out of range."""
 
-    max_batch_size: int = 32
-    max_batch_tokens: int = 16384
-    max_queued: int = 64
-    batch_wait_s: float = 0.0
+    max_batch_size: int = default("max_batch_size")
+    max_batch_tokens: int = default("max_batch_tokens")
+    max_queued: int = default("max_queued")
+    batch_wait_ms: float = default("batch_wait_ms")
 
     def __post_init__(self) -> None:
-        checks = {
-            "max_batch_size": self.max_batch_size >= 1,
-            "max_batch_tokens": self.max_batch_tokens >= 1,
-            "max_queued": self.max_queued >= 1,
-            "batch_wait_s": 0 <= self.batch_wait_s <= 10,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise FusionServeError(f"batch limits out of range: {', '.join(f'{k} = {getattr(self, k)}' for k in bad)}")
+        check_ranges(asdict(self))
 
-
-@dataclass(frozen=True)
-class TaskShare:
-    """One task's rows in a batch."""
-
-    inputs: int
-    truncated: int
-    activation_sums: np.ndarray | None  # (layers, task adapters): its rows' per-input token means, summed
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """What one model call did, for the metrics."""
-
-    inputs: int
-    requests: int  # requests with a row in this batch
-    tokens: int  # batch x padded length (the bucket's, when the runner buckets): what the model computed over
-    model_ms: float
-    truncated: int
-    tasks: dict[str, TaskShare]  # the batch's mix
-
-    @property
-    def task(self) -> str:
-        """The batch's task when it holds one (the mixed ones: "mixed")."""
-        return next(iter(self.tasks)) if len(self.tasks) == 1 else "mixed"
-
-
-@dataclass(frozen=True)
-class TaskResult:
-    logits: np.ndarray  # (inputs, num_labels), label-id order
-    activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens; fusion only
-
-
-@dataclass(frozen=True)
-class JobResult:
-    tasks: dict[str, TaskResult]  # in the order asked for
-    truncated: list[bool]  # per input
-    queue_ms: float  # arrival -> the first batch that took one of its rows
-    batches: int  # how many model calls its rows went through
-
-    @property
-    def logits(self) -> np.ndarray:
-        """The first (for a one-task request: the) task's logits."""
-        return next(iter(self.tasks.values())).logits
-
-    @property
-    def activations(self) -> np.ndarray | None:
-        return next(iter(self.tasks.values())).activations
+    def check_fits(self, max_seq_len: int) -> None:
+        """Raises FusionServeError when a batch could not hold one input of ``max_seq_len`` tokens (the artifact's
+        token limit): the one bound of max_batch_tokens that depends on the artifact."""
+        if self.max_batch_tokens < max_seq_len:
+            raise FusionServeError(
+                f"max_batch_tokens = {self.max_batch_tokens} cannot hold one input of the artifact's token limit "
+                f"({max_seq_len}); allowed: >= {max_seq_len}"
+            )
 
 
 @dataclass(eq=False)
@@ -162,11 +124,7 @@ class Scheduler:
     thread starts at the first ``submit``. ``on_batch`` is called with every batch's figures, in the model thread."""
 
     def __init__(self, runner: OnnxRunner, limits: BatchLimits, on_batch: Callable[[BatchStats], None] | None = None) -> None:
-        if limits.max_batch_tokens < runner.artifact.max_seq_len:
-            raise FusionServeError(
-                f"max_batch_tokens = {limits.max_batch_tokens} cannot hold one input of the artifact's token limit "
-                f"({runner.artifact.max_seq_len}); allowed: >= {runner.artifact.max_seq_len}"
-            )
+        limits.check_fits(runner.artifact.max_seq_len)
         self.runner, self.limits, self.on_batch = runner, limits, on_batch
         self._queue: deque[_Row] = deque()
         self._waiting = 0  # requests with rows not yet taken by a batch (admission counts these)
@@ -192,11 +150,17 @@ class Scheduler:
             return len(self._queue)
 
     async def submit(
-        self, task: str | Sequence[str], inputs: Sequence[TextInput], truncation: str = "right", deadline: float | None = None
+        self,
+        task: str | Sequence[str],
+        inputs: Sequence[TextInput],
+        strict: bool = False,
+        truncation: str = "right",
+        deadline: float | None = None,
     ) -> JobResult:
         """Classify ``inputs`` for ``task`` (or for each of several tasks), cut from ``truncation``'s side when too
         long. ``deadline`` (``time.monotonic()`` seconds): still waiting then, the request is dropped. Raises
-        Overloaded when ``max_queued`` requests already wait, DeadlineExceeded, and what the tokenizer or the runner
+        Overloaded when ``max_queued`` requests already wait, TooManyTokens (``strict``) for inputs over the token
+        limit, found while tokenizing, off the event loop, DeadlineExceeded, and what the tokenizer or the runner
         raises for this request's rows; cancelled, it drops the rows not yet taken and re-raises."""
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
@@ -207,7 +171,7 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
         job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter(), truncation)
-        self._tokenize.submit(self._enqueue, job, inputs)
+        self._tokenize.submit(self._enqueue, job, inputs, strict)
         timer = None if deadline is None else loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, job)
         try:
             return await job.future
@@ -242,12 +206,19 @@ class Scheduler:
                 self._waiting -= 1
             return True
 
-    def _enqueue(self, job: _Job, inputs: Sequence[TextInput]) -> None:
+    def _enqueue(self, job: _Job, inputs: Sequence[TextInput], strict: bool) -> None:
         """In a tokenizer thread: the request's rows join the queue, and the model thread is told. Each input is
-        tokenized once, whatever the number of tasks."""
+        tokenized once, whatever the number of tasks; in strict mode a request with an input over the token limit
+        fails instead (its length counted here too: a long text never costs the event loop)."""
+        encoder = self.runner.encoder
         try:
-            tokens = self.runner.encoder.tokens(inputs, job.truncation)
-        except Exception as exc:  # a tokenizer failure fails this request only
+            tokens = encoder.tokens(inputs, job.truncation)
+            over = [i for i, t in enumerate(tokens) if t.truncated] if strict else []
+            if over:
+                picked = [inputs[i] for i in over]
+                counts, cut = encoder.count_tokens(picked), encoder.cut(picked)
+                raise TooManyTokens(list(zip(over, counts, cut, strict=True)), encoder.max_length)
+        except Exception as exc:  # a tokenizer failure (or a strict refusal) fails this request only
             with self._lock:
                 if job.dropped:  # dropped meanwhile: nobody waits for this answer
                     return
@@ -273,8 +244,8 @@ class Scheduler:
                 with self._lock:
                     while not self._queue:
                         self._lock.wait()
-                    if self.limits.batch_wait_s and len(self._queue) < self.limits.max_batch_size:
-                        self._lock.wait(self.limits.batch_wait_s)  # a batch may wait this long to fill
+                    if self.limits.batch_wait_ms and len(self._queue) < self.limits.max_batch_size:
+                        self._lock.wait(self.limits.batch_wait_ms / 1000)  # a batch may wait this long to fill
                     rows = self._take()
                 if rows:
                     logits, acts = self._run(rows)
@@ -336,21 +307,10 @@ class Scheduler:
                     inputs=len(rows), requests=len({id(r.job) for r in rows}),
                     tokens=len(rows) * self.runner.padded_length(enc.input_ids.shape[1]),
                     model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
-                    tasks=_shares(tasks, acts, enc.truncated),
+                    tasks=shares(tasks, acts, enc.truncated),
                 )
             )  # fmt: skip
         return out.logits, acts
-
-
-def _shares(tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool]) -> dict[str, TaskShare]:
-    out: dict[str, list[Any]] = {}
-    for task, a, cut in zip(tasks, acts, truncated, strict=True):
-        slot = out.setdefault(task, [0, 0, None])
-        slot[0] += 1
-        slot[1] += int(cut)
-        if a is not None:
-            slot[2] = a.copy() if slot[2] is None else slot[2] + a
-    return {t: TaskShare(n, cut, sums) for t, (n, cut, sums) in out.items()}
 
 
 def _delivered(

@@ -29,51 +29,30 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from fusionserve.errors import FusionServeError
 
+from . import options
 from .artifact import MANIFEST, load_artifact
 from .batching import BatchLimits
+from .grpc_ingress import transport_env
+from .options import default
 from .runtime import DEVICES, DeviceError, resolve_device
 from .schemas import Limits
 
 IMPORT_PATH = "fusionserve.serving.builder:app_builder"
 DEPLOYMENT = "fusionserve"
-SERVICER = "fusionserve.serving.fusionserve_pb2_grpc.add_ClassifierServicer_to_server"  # for grpc_options
+SERVICER = "fusionserve.serving.grpc_ingress.add_servicer"  # for grpc_options
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the replicas' metrics folder (AppArgs.metrics_dir), in their environment
-
-# name -> (check, what is allowed): shared by the builder's arguments and `fusionserve serve`'s options (--name-like-this)
-RANGES = {
-    "replicas": (lambda v: v >= 1, ">= 1"),
-    "min_replicas": (lambda v: v is None or v >= 1, ">= 1"),
-    "max_replicas": (lambda v: v is None or v >= 1, ">= 1"),
-    "target_ongoing_requests": (lambda v: v > 0, "> 0"),
-    "upscale_delay_s": (lambda v: v >= 0, ">= 0"),
-    "downscale_delay_s": (lambda v: v >= 0, ">= 0"),
-    "look_back_period_s": (lambda v: v > 0, "> 0"),
-    "max_batch_size": (lambda v: v >= 1, ">= 1"),
-    "max_batch_tokens": (lambda v: v >= 8, ">= 8"),
-    "batch_wait_ms": (lambda v: 0 <= v <= 10_000, "0..10000"),
-    "max_queued": (lambda v: v >= 1, ">= 1"),  # 0 would refuse every request (and Serve refuses it)
-    "max_ongoing": (lambda v: v is None or v >= 1, ">= 1"),
-    "max_inputs": (lambda v: v >= 1, ">= 1"),
-    "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
-    "body_timeout_s": (lambda v: 0 < v <= 3600, "0..3600"),
-    "threads": (lambda v: v is None or v >= 1, ">= 1"),
-    "gpus_per_replica": (lambda v: v is None or 0 < v <= 8, "0..8"),
-    "api_key_env": (lambda v: v is None or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) is not None, "a variable name"),
-}
 
 
 def check_ranges(values: dict[str, Any], flags: bool) -> None:
-    """Raise FusionServeError for the first value out of range, named as an option (``--max-batch-size``) when
+    """Raise FusionServeError for the first value out of range (``options.check_ranges``: each option's one check),
+    a device not known, or an autoscaling range that does not hold; named as an option (``--max-batch-size``) when
     ``flags``, else as a builder argument (``max_batch_size``)."""
-    for name, (ok, allowed) in RANGES.items():
-        if name in values and not ok(values[name]):
-            shown = "--" + name.replace("_", "-") if flags else name
-            raise FusionServeError(f"{shown} = {values[name]} is out of range; allowed: {allowed}")
+    options.check_ranges(values, flags)
     device = values.get("device", "auto")
     if device not in DEVICES:
         shown = "--device" if flags else "device"
         raise FusionServeError(f"{shown} = '{device}' is not known; allowed: {', '.join(DEVICES)}")
-    low, high, fixed = values.get("min_replicas"), values.get("max_replicas"), values.get("replicas", 1)
+    low, high, fixed = values.get("min_replicas"), values.get("max_replicas"), values.get("replicas", default("replicas"))
     if (low is None) != (high is None):
         raise FusionServeError(_named("autoscaling needs both min_replicas and max_replicas", flags))
     if low is not None and high is not None and low > high:
@@ -100,36 +79,36 @@ def _named(text: str, flags: bool) -> str:
 class AppArgs(BaseModel):
     """The builder's arguments: everything ``fusionserve serve`` takes that belongs to the application. Where Serve
     listens (host, ports) is the config's http_options / grpc_options, and the ingress is how Ray's nodes are started
-    (see the README's "Scaling out")."""
+    (see docs/guides/scaling-out.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     artifact: str
     artifact_sha256: str | None = None  # sha256 of the artifact's manifest.json: replicas refuse any other
-    replicas: int = 1
-    min_replicas: int | None = None  # both set: Serve's autoscaling instead of a fixed count
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 2.0
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    look_back_period_s: float = 30.0
-    max_batch_size: int = 32
-    max_batch_tokens: int = 16384
-    batch_wait_ms: float = 0.0
-    max_queued: int = 64
-    max_ongoing: int | None = None
-    max_inputs: int = 64
-    max_body_bytes: int = 1_000_000
-    body_timeout_s: float = 10.0
-    threads: int | None = None  # per replica; default: this machine's CPUs / (max) replicas
+    replicas: int = default("replicas")
+    min_replicas: int | None = default("min_replicas")  # both set: Serve's autoscaling instead of a fixed count
+    max_replicas: int | None = default("max_replicas")
+    target_ongoing_requests: float = default("target_ongoing_requests")
+    upscale_delay_s: float = default("upscale_delay_s")
+    downscale_delay_s: float = default("downscale_delay_s")
+    look_back_period_s: float = default("look_back_period_s")
+    max_batch_size: int = default("max_batch_size")
+    max_batch_tokens: int = default("max_batch_tokens")
+    batch_wait_ms: float = default("batch_wait_ms")
+    max_queued: int = default("max_queued")
+    max_ongoing: int | None = default("max_ongoing")
+    max_inputs: int = default("max_inputs")
+    max_body_bytes: int = default("max_body_bytes")
+    body_timeout_s: float = default("body_timeout_s")
+    threads: int | None = default("threads")  # per replica; default: this machine's CPUs / (max) replicas
     device: str = "auto"
-    gpus_per_replica: float | None = None  # GPUs each CUDA replica reserves; default: spread over the GPUs Ray sees now
+    gpus_per_replica: float | None = default(
+        "gpus_per_replica"
+    )  # GPUs each CUDA replica reserves; default: spread over the GPUs Ray sees now
     metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR of the replicas; default: a fresh folder name
-    # the environment variable holding the API key(s) in every replica's process (never the key itself: see
-    # serving/auth.py); set, every model route asks for one, and a replica without it refuses to start
-    api_key_env: str | None = None
-    open_metrics: bool = True  # /metrics answers without a key (false: it asks for one too)
-    default_task: str | None = None  # TEI's POST /predict and the Inference API's POST / answer for this task
+    api_key_env: str | None = default("api_key_env")  # the variable holding the API key(s), never the key
+    open_metrics: bool = default("open_metrics")
+    default_task: str | None = default("default_task")
 
     @model_validator(mode="after")
     def _in_range(self) -> "AppArgs":
@@ -161,7 +140,10 @@ class AppArgs(BaseModel):
         return self.max_ongoing or max(ONGOING_FLOOR, self.max_queued + self.max_batch_size)
 
     def batch_limits(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_queued, self.batch_wait_ms / 1000)
+        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.max_queued, self.batch_wait_ms)
+
+    def request_limits(self) -> Limits:
+        return Limits(self.max_inputs, self.max_body_bytes, self.body_timeout_s)
 
 
 ONGOING_FLOOR = 1024  # default max_ongoing_requests of a replica: see AppArgs.ongoing_per_replica
@@ -206,11 +188,7 @@ def check_artifact(args: AppArgs) -> None:
         raise FusionServeError(
             f"default_task '{args.default_task}' is not a task of {folder}; known tasks: {', '.join(artifact.tasks)}"
         )
-    if args.max_batch_tokens < artifact.max_seq_len:
-        raise FusionServeError(
-            f"max_batch_tokens = {args.max_batch_tokens} cannot hold one input of {artifact.max_seq_len} tokens "
-            f"(the artifact's token limit); allowed: >= {artifact.max_seq_len}"
-        )
+    args.batch_limits().check_fits(artifact.max_seq_len)
 
 
 def app_builder(args: AppArgs) -> Any:
@@ -231,7 +209,8 @@ def app_builder(args: AppArgs) -> Any:
     options: dict[str, Any] = {
         "num_cpus": args.threads_per_replica,
         # Ray starts workers at nice 15: a replica would lose every core to anything else on its node
-        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, "RAY_worker_niceness": "0"}},
+        # and the replica's own gRPC server refuses a message over the size limit before reading it
+        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, "RAY_worker_niceness": "0", **transport_env(args.max_body_bytes)}},
     }
     if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
         options["num_gpus"] = gpus
@@ -245,9 +224,8 @@ def app_builder(args: AppArgs) -> Any:
         max_queued_requests=args.max_queued,
         ray_actor_options=options,
     )
-    limits = Limits(args.max_inputs, args.max_body_bytes, args.body_timeout_s)
     artifact = args.artifact if not Path(args.artifact).is_absolute() else str(Path(args.artifact).resolve())
     return dep.bind(
-        artifact, limits, args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256,
+        artifact, args.request_limits(), args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256,
         api_key_env=args.api_key_env, open_metrics=args.open_metrics, default_task=args.default_task,
     )  # fmt: skip

@@ -17,12 +17,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from .artifact import Artifact, TaskEntry
-from .batching import DeadlineExceeded, Overloaded, Scheduler, TaskResult
+from .batching import DeadlineExceeded, Overloaded, Scheduler, TaskResult, TooManyTokens
 from .metrics import Metrics
 from .predictions import TextInput, label_logits, label_scores
 from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error, timeout_header
 from .tokenize import Encoder
 
+_NAMED = 5  # unknown task names an error names, at most
 log = logging.getLogger("ray.serve").getChild("fusionserve")  # in the replica log files, with Serve's own
 
 
@@ -54,6 +55,15 @@ def _invalid(exc: ValidationError) -> HTTPError:
     if errors and errors[0]["type"] == "json_invalid":
         return HTTPError(422, "malformed_json", describe_json_error(errors[0]["msg"]))
     return HTTPError(422, "invalid_request", describe_validation_error(exc))
+
+
+def _refusal(exc: HTTPError | Overloaded | TooManyTokens) -> HTTPError:
+    if isinstance(exc, Overloaded):
+        return HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later")
+    if isinstance(exc, TooManyTokens):
+        where = ", ".join(f"inputs[{i}] has {n}{'+' if cut else ''}" for i, n, cut in exc.over[:5])
+        return HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {exc.limit} (strict mode)")
+    return exc
 
 
 def answer(
@@ -101,7 +111,9 @@ class Classifier:
             if req.timeout_ms is not None:
                 limits_ms.append(req.timeout_ms)
             deadline = arrived + min(limits_ms) / 1000 if limits_ms else None
-            result = await self.scheduler.submit(req.task_names, inputs, req.truncation_direction, deadline)
+            result = await self.scheduler.submit(
+                req.task_names, inputs, strict=req.strict, truncation=req.truncation_direction, deadline=deadline
+            )
             acts, raw = req.return_fusion_activations, req.raw_scores
             answers = [answer(e.name, e, result.tasks[e.name], result.truncated, acts, raw) for e in entries]
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
@@ -114,12 +126,8 @@ class Classifier:
             self.stats.observe_dropped("client_disconnected")
             self.stats.observe_request(task, 499, time.perf_counter() - started)
             raise
-        except (HTTPError, Overloaded) as exc:
-            err = (
-                exc
-                if isinstance(exc, HTTPError)
-                else HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later")
-            )
+        except (HTTPError, Overloaded, TooManyTokens) as exc:
+            err = _refusal(exc)
             self.stats.observe_rejected(err.reason)
             self.stats.observe_request(task, err.status, time.perf_counter() - started)
             return err
@@ -130,7 +138,10 @@ class Classifier:
     def _tasks(self, names: list[str]) -> list[TaskEntry]:
         unknown = [t for t in names if t not in self.artifact.tasks]
         if unknown:
-            what = f"unknown task '{unknown[0]}'" if len(unknown) == 1 else f"unknown tasks {', '.join(map(repr, unknown))}"
+            shown = ", ".join(map(repr, unknown[:_NAMED]))
+            what = f"unknown task {shown}" if len(unknown) == 1 else f"unknown tasks {shown}"
+            if len(unknown) > _NAMED:
+                what += f" and {len(unknown) - _NAMED} more"
             raise HTTPError(404, "unknown_task", f"{what}; known tasks: {', '.join(self.artifact.tasks)}")
         return [self.artifact.tasks[t] for t in names]
 
@@ -140,12 +151,6 @@ class Classifier:
         if rows > limit:
             what = f"{len(inputs)} inputs" if len(entries) == 1 else f"{len(inputs)} inputs x {len(entries)} tasks = {rows}"
             raise HTTPError(413, "too_many_inputs", f"{what} in one request; the limit is {limit}")
-        if req.strict:
-            lengths = self.encoder.count_tokens(inputs)
-            over = [(i, n) for i, n in enumerate(lengths) if n > self.artifact.max_seq_len]
-            if over:
-                where = ", ".join(f"inputs[{i}] has {n}" for i, n in over[:5])
-                raise HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {self.artifact.max_seq_len} (strict mode)")
         plain = [e for e in entries if e.kind != "fusion"]
         if req.return_fusion_activations and plain:
             raise HTTPError(

@@ -2,8 +2,11 @@
 request model a JSON body is validated with and goes through the same ``Classifier``; a refusal becomes a gRPC
 status code, with the HTTP API's error type in the trailing metadata ``fusionserve-error-type``.
 
-Serve calls the replica's ``Classify`` method with the decoded message and a ``grpc_context`` (Serve's
-RayServegRPCContext: code, details and trailing metadata are sent once the method returns).
+Serve calls the replica's ``Classify`` method with the request and a ``grpc_context`` (Serve's RayServegRPCContext:
+code, details and trailing metadata are sent once the method returns). ``add_servicer`` (the servicer function Serve's
+``grpc_options`` name) leaves the request as bytes, so a message that does not decode (bad UTF-8, garbage, cut short)
+is refused here like a body that is not JSON (INVALID_ARGUMENT, ``malformed_request``, counted), not by gRPC's own
+deserializer as UNKNOWN. A message over the size limit is refused by gRPC as it arrives (``transport_env``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from . import fusionserve_pb2 as pb
 from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
@@ -31,6 +35,31 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 ERROR_TYPE_KEY = "fusionserve-error-type"
+SERVICE = "fusionserve.v1.Classifier"
+MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC servers' message limit, read when they start
+TRANSPORT_FLOOR_BYTES = 4 * 1024 * 1024  # gRPC's own default: room for the answers, which share the limit
+
+
+def transport_env(max_body_bytes: int) -> dict[str, str]:
+    """The environment that caps the gRPC messages Serve's servers (a replica's, the proxy's) accept: gRPC refuses a
+    larger one (RESOURCE_EXHAUSTED) from its length prefix, before reading it (Serve's default is 2 GiB: a 300 MB
+    message was read whole into the replica). Messages over ``max_body_bytes`` but under the cap are refused by
+    ``classify_grpc`` (INVALID_ARGUMENT, ``body_too_large``); the cap is never under 4 MiB, as Serve uses the same
+    setting for the answers it sends."""
+    return {MESSAGE_SIZE_ENV: str(max(max_body_bytes, TRANSPORT_FLOOR_BYTES))}
+
+
+def add_servicer(servicer: Any, server: Any) -> None:
+    """Add ``Classify`` to ``server`` with the request left as bytes (see the module docstring); what the generated
+    ``add_ClassifierServicer_to_server`` does otherwise."""
+    handlers = {
+        "Classify": grpc.unary_unary_rpc_method_handler(
+            servicer.Classify, request_deserializer=None, response_serializer=pb.ClassifyResponse.SerializeToString
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62
+        server.add_registered_method_handlers(SERVICE, handlers)
 
 
 def grpc_code(status: int) -> grpc.StatusCode:
@@ -83,8 +112,19 @@ def response_message(answer: dict[str, Any], labels: Callable[[str], tuple[str, 
     return out
 
 
+def decode(raw: bytes | pb.ClassifyRequest) -> pb.ClassifyRequest:
+    """The request message from its bytes (a servicer that decodes it itself hands the message). Raises HTTPError
+    ``malformed_request`` for bytes that are not a ClassifyRequest."""
+    if isinstance(raw, pb.ClassifyRequest):
+        return raw
+    try:
+        return pb.ClassifyRequest.FromString(raw)
+    except DecodeError as exc:
+        raise HTTPError(422, "malformed_request", f"the request is not a valid fusionserve.v1.ClassifyRequest: {exc}") from None
+
+
 async def classify_grpc(
-    core: Classifier, msg: pb.ClassifyRequest, context: Any, where: dict[str, str], keys: KeyCheck | None = None
+    core: Classifier, raw: bytes | pb.ClassifyRequest, context: Any, where: dict[str, str], keys: KeyCheck | None = None
 ) -> pb.ClassifyResponse:
     """One ``Classify`` call on ``core``; a refusal sets the code, details and trailer on ``context`` and answers an
     empty message (gRPC sends only the status then). ``where`` (replica, node) goes into the trailer as well. With
@@ -97,10 +137,10 @@ async def classify_grpc(
         return pb.ClassifyResponse()
 
     async def read() -> ClassifyRequest:
-        size = msg.ByteSize()
+        size = len(raw) if isinstance(raw, bytes) else raw.ByteSize()
         if size > limit:  # the same limit as an HTTP body's
             raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
-        return parse_fields(request_fields(msg))
+        return parse_fields(request_fields(decode(raw)))
 
     outcome = await core(read, METHOD)
     if isinstance(outcome, HTTPError):

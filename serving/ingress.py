@@ -1,10 +1,10 @@
 """How HTTP reaches the replicas: the Ray Serve settings of each ingress, as environment variables that Ray's
 processes read once, when they start — so they are set before fusionserve starts Ray (a cluster joined through
-``RAY_ADDRESS`` must have been started with them; see the README's serving section).
+``RAY_ADDRESS`` must have been started with them; see docs/guides/serving.md).
 
 - ``haproxy`` (default): HAProxy listens on the server's port and hands each connection to a replica's own HTTP
   port (Ray 2.60's direct ingress: uvicorn inside the replica); Serve's throughput settings run the replica's code
-  on its main event loop. Measured here against the others (``benchmarks/load.py``): see the README.
+  on its main event loop. Measured against the others by ``benchmarks/load.py``: benchmarks/RESULTS.md.
 - ``proxy``: Serve's proxy actor on the port, which forwards every request to a replica over a Ray call (Serve's
   default; no HAProxy needed).
 
@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 from fusionserve.errors import FusionServeError
+
+from . import options
+from .haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
 
 INGRESSES = ("haproxy", "proxy")  # what `fusionserve serve --ingress` offers; the first is the default
 VARIANTS = {
@@ -76,6 +79,9 @@ def node_env(ingress: str) -> dict[str, str]:
             # finishes its body, answered 408 by the replica, hold an HAProxy connection that long)
             "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "60",
             "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": "120",  # Serve's 30 s, for HAProxy to come up on a busy node
+            # Serve's manager starts HAProxy again after 3 failed health checks in a row, one every this many seconds:
+            # Serve's 10 s kept a killed HAProxy's port dark for 15-30 s; a check is one admin-socket command
+            "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "1",
         }
     return env
 
@@ -83,6 +89,7 @@ def node_env(ingress: str) -> dict[str, str]:
 # Serve's HAProxy takes 4096 connections and asks for about 2.5 file descriptors per connection: ~10,300, far above
 # the common 1024 default, and under that limit it fails to start with no clear reason.
 HAPROXY_MAXCONN = 4096
+_GRPC_PORTS = 64  # replicas' gRPC ports a server's Ray node may hand out
 _FDS_PER_CONN = 2.5
 _FDS_SPARE = 256
 
@@ -100,15 +107,19 @@ def fit_open_files() -> int | None:
     return max(64, int((soft - _FDS_SPARE) / _FDS_PER_CONN))
 
 
-def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
+def ingress_env(
+    ingress: str, workdir: Path | None = None, body_timeout_s: float = options.default("body_timeout_s")
+) -> dict[str, str]:
     """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin and metrics sockets and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
-    Ray nodes) on one machine never share them.
+    Ray nodes) on one machine never share them; and fusionserve's rules in its config (serving/haproxy_rules.py:
+    requests not complete within ``body_timeout_s`` get 408 and their connection closed, JSON error pages).
 
     Raises FusionServeError for an unknown ingress."""
     env = node_env(ingress)
     if VARIANTS[ingress][0] == "haproxy":
         folder = workdir or Path(tempfile.mkdtemp(prefix="fs-"))
+        grpc_first = free_port()
         folder.mkdir(parents=True, exist_ok=True)
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
@@ -123,7 +134,16 @@ def ingress_env(ingress: str, workdir: Path | None = None) -> dict[str, str]:
             # port reuse: two servers on one machine shared it, so one HAProxy could reach the other server's model
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+            # and the replicas' own gRPC ports from a free range of this server's: Serve asks gRPC for them with
+            # port reuse on (its "0" for grpc.so_reuseport is a string, which gRPC ignores), so every server's first
+            # replica bound the default first port, 40000, and the kernel spread gRPC calls over all their replicas:
+            # one server's HAProxy reached another server's model
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_first),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_first + _GRPC_PORTS),
         }
+        haproxy = real_haproxy()
+        if haproxy is not None:  # none: Serve says so when it starts HAProxy
+            env[BINARY_ENV] = str(write_wrapper(folder, haproxy, body_timeout_s))
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)

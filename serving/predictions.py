@@ -11,6 +11,8 @@ import numpy as np
 
 from fusionserve.errors import InputError
 
+from .options import meaningful
+
 
 @dataclass(frozen=True)
 class TextInput:
@@ -21,10 +23,10 @@ class TextInput:
     id: Any = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.text, str) or not self.text.strip():
-            raise InputError(f"'text' must be a non-empty string, got {self.text!r}")
-        if self.text_pair is not None and (not isinstance(self.text_pair, str) or not self.text_pair.strip()):
-            raise InputError(f"'text_pair' must be a non-empty string or absent, got {self.text_pair!r}")
+        if not isinstance(self.text, str) or not meaningful(self.text):
+            raise InputError(f"'text' must be a non-empty string, got {self.text!r:.80}")
+        if self.text_pair is not None and (not isinstance(self.text_pair, str) or not meaningful(self.text_pair)):
+            raise InputError(f"'text_pair' must be a non-empty string or absent, got {self.text_pair!r:.80}")
 
     @classmethod
     def from_json(cls, obj: Any) -> TextInput:

@@ -1,14 +1,26 @@
 """The HTTP request and response bodies (pydantic), and how a validation failure is told to the caller."""
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError, model_validator
 
-MAX_TIMEOUT_MS = 3_600_000  # the longest deadline a request may give (an hour)
+from .options import (
+    MAX_TASK_NAME_CHARS,
+    MAX_TASKS_PER_REQUEST,
+    MAX_TIMEOUT_MS,
+    MEANINGFUL,
+    bounded,
+    check_ranges,
+    default,
+)
+
 TIMEOUT_HEADER = "x-request-timeout-ms"
-Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=r"\S")]
+
+# a text must hold something the tokenizer keeps: whitespace, control and zero-width characters alone are refused
+Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=MEANINGFUL)]
+TaskName = Annotated[str, StringConstraints(strict=True, max_length=MAX_TASK_NAME_CHARS)]
 
 
 class PairInput(BaseModel):
@@ -19,9 +31,12 @@ class PairInput(BaseModel):
 
 class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    task: str | None = Field(None, description="a task of the served artifact (GET /v1/tasks); or give 'tasks'")
-    tasks: list[Annotated[str, StringConstraints(strict=True)]] | None = Field(
-        None, min_length=1, description="several tasks, each answered for every input in one call (instead of 'task')"
+    task: TaskName | None = Field(None, description="a task of the served artifact (GET /v1/tasks); or give 'tasks'")
+    tasks: list[TaskName] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TASKS_PER_REQUEST,
+        description="several tasks, each answered for every input in one call (instead of 'task')",
     )
     inputs: list[Text | PairInput] = Field(min_length=1, description="plain texts and/or {text, text_pair} objects")
     return_fusion_activations: StrictBool = Field(
@@ -50,7 +65,8 @@ class ClassifyRequest(BaseModel):
         if (self.task is None) == (self.tasks is None):
             raise ValueError("give exactly one of 'task' (one task) and 'tasks' (several)")
         if self.tasks is not None and len(set(self.tasks)) < len(self.tasks):
-            raise ValueError(f"'tasks' names a task more than once: {self.tasks}")
+            twice = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
+            raise ValueError(f"'tasks' names a task more than once: {', '.join(map(repr, twice[:5]))}")
         return self
 
     @property
@@ -88,15 +104,22 @@ class MultiTaskResponse(BaseModel):
 
 @dataclass(frozen=True)
 class Limits:
-    max_inputs: int = 64
-    max_body_bytes: int = 1_000_000
-    body_timeout_s: float = 10.0  # a body not complete by then is answered 408 and its connection freed
+    """What one request may hold, over HTTP and gRPC alike (defaults and checks: serving/options.py, with the fixed
+    limits on task names and error messages). Raises FusionServeError for a value out of range."""
+
+    max_inputs: int = default("max_inputs")
+    max_body_bytes: int = default("max_body_bytes")  # an HTTP body, or a gRPC message
+    body_timeout_s: float = default("body_timeout_s")  # a body not complete by then is answered 408
+
+    def __post_init__(self) -> None:
+        check_ranges(asdict(self))
 
 
 class HTTPError(Exception):
     """A refusal: HTTP status, a short machine-readable reason (also the metric label) and a message."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:
+        message = bounded(message)  # whatever it echoes, a refusal stays short (gRPC sends it in a trailer)
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -16,18 +14,22 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
+
 from fusionserve.errors import FusionServeError
 
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
-from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, reap, routed_replicas
-from .runtime import resolve_device
+from .grpc_ingress import transport_env
+from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, routed_replicas
+from .runtime import make_session, resolve_device
+from .supervise import descendants, end_run, exit_with, new_run_folder, reap_stale, record, supervise, supervise_end
 
 __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
 APP_NAME = "fusionserve"
-_metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples
-_ingress_dir: str | None = None  # HAProxy's config, socket and state files
+_metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
+_ingress_dir: str | None = None  # the run folder (serving/supervise.py): HAProxy's config, socket and state files
 _deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
 # unless another server replaced it since (see _delete_if_ours)
 
@@ -74,29 +76,28 @@ class ServerConfig:
 
 
 def start(
-    cfg: ServerConfig, say: Callable[[str], object] = lambda _: None, after_ray: Callable[[], object] = lambda: None
+    cfg: ServerConfig,
+    say: Callable[[str], object] = lambda _: None,
+    after_ray: Callable[[], object] = lambda: None,
+    run_folder: Path | None = None,
 ) -> str:
     """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port (and the gRPC port), and deploy the builder's
     application; returns the base URL. Where Serve already runs on the joined cluster it keeps its ports, so --port
     (and --grpc-port) must be the ones it listens on, and the port check leaves them to the node's ingress that holds
     them. ``say`` gets one line per step; ``after_ray`` runs as soon as Ray is up (Ray's start-up puts its own
-    signal handlers in; serve_forever puts its own back there). Raises FusionServeError (port taken, a port other
-    than the running Serve's, an application already deployed on the cluster without ``cfg.replace``, an unusable
-    artifact or device, a loopback --host on a cluster of several machines) or ClusterError (Ray does not start)."""
+    signal handlers in; serve_forever puts its own back there). ``run_folder``: this run's (default a new one), where
+    HAProxy's and the metrics' files go; run folders left by servers that are gone are reaped first. Raises
+    FusionServeError (port taken, a port other than the running Serve's, an application already deployed on the
+    cluster without ``cfg.replace``, an unusable artifact or device, a loopback --host on a cluster of several
+    machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir, _deployed
-    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
-        raise ModuleNotFoundError("No module named 'ray'", name="ray")
-    # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
-    # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
-    artifact = load_artifact(cfg.artifact, verify=False)
-    resolve_device(cfg.app.device)
-    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    artifact, held = _check_before_ray(cfg)
     address = os.environ.get("RAY_ADDRESS")
-    if not address:  # a Ray of our own runs no Serve yet: whatever holds a port is not ours to share
-        _refuse_held(cfg.host, held)
-    # short: HAProxy's admin socket goes two levels below it, and a socket path may hold at most 97 characters
-    _ingress_dir = tempfile.mkdtemp(prefix="fs-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    os.environ.update(ingress_env(cfg.ingress, Path(_ingress_dir)))  # read by Ray's processes when they start
+    _ingress_dir = str(run_folder or new_run_folder())
+    # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
+    os.environ.update(
+        ingress_env(cfg.ingress, Path(_ingress_dir), cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
+    )
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -110,7 +111,8 @@ def start(
     _refuse_to_replace(running, cfg.replace)
     _refuse_held(cfg.host, _check_ports(cfg, running, held) if running else held)
     _refuse_loopback_on_many_machines(ray, cfg.host)
-    _metrics_dir = tempfile.mkdtemp(prefix="fusionserve-metrics-")
+    _metrics_dir = os.path.join(_ingress_dir, "metrics")
+    os.makedirs(_metrics_dir, exist_ok=True)
     shipped = {"artifact": ".", "artifact_sha256": sha256(artifact.folder / MANIFEST)} if cfg.ship_artifact else {}
     application = app_builder(cfg.app_args(metrics_dir=_metrics_dir, **shipped))
     opts = cfg.app
@@ -124,7 +126,28 @@ def start(
     _wait_routed(url)
     if _ingress_dir:
         _wait_all_routed(Path(_ingress_dir), opts.min_replicas or opts.replicas, say)
+        record(Path(_ingress_dir), tree=descendants(os.getpid()))  # what a next start reaps if this run is killed
     return url
+
+
+def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
+    """What fails before Ray starts: no Ray, a missing or unreadable artifact, a missing CUDA provider, a taken port
+    (joining a cluster, a taken port is judged once Serve's own ports there are known; how many GPUs there are, Ray
+    tells). Returns the artifact and the ports held (port -> holder)."""
+    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+    artifact = load_artifact(cfg.artifact, verify=False)
+    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
+    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
+    make_session(
+        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    resolve_device(cfg.app.device)
+    reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
+    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    if not os.environ.get("RAY_ADDRESS"):  # a Ray of our own runs no Serve yet: whatever holds a port is not ours
+        _refuse_held(cfg.host, held)
+    return artifact, held
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
@@ -140,7 +163,7 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
         raise FusionServeError(
             f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
-            "replica ports, see the README's Scaling out)"
+            "replica ports, see the docs' Scaling out guide)"
         )
 
 
@@ -218,7 +241,8 @@ def _delete_if_ours(serve: Any) -> None:
 
 def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
     """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
-    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises FusionServeError after ``timeout_s``."""
+    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises
+    FusionServeError after ``timeout_s``."""
     import urllib.error
     import urllib.request
 
@@ -279,30 +303,31 @@ def stop() -> None:
             _deployed = False
             ray.shutdown()
     if _ingress_dir:
-        reap(Path(_ingress_dir))
-    for folder in (_metrics_dir, _ingress_dir):
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
+        end_run(Path(_ingress_dir))
 
 
 def serve_forever(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. While starting, either signal is an interruption
-    (``_Interrupted``, then the same clean-up); the handlers go in again once Ray is up, because Ray's start-up
-    replaces them with its own, which prints a crash-style report and ends the process without cleaning up (HAProxy
-    and some of Ray's processes then outlived the server). Raises what ``start`` raises, after cleaning up."""
+    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. The server runs in a child process under this one
+    (``supervise``: whatever ends either, nothing of the run outlives them; see serving/supervise.py). While starting,
+    either signal is an interruption (``_Interrupted``, then the same clean-up); the handlers go in again once Ray is
+    up, because Ray's start-up replaces them with its own, which prints a crash-style report and ends the process
+    without cleaning up (HAProxy and some of Ray's processes then outlived the server). Raises what ``start`` raises,
+    after cleaning up."""
 
     def say(text: str) -> None:
         print(f"fusionserve: {text}", file=sys.stderr, flush=True)
 
+    folder = supervise()
     _on_signals(_interrupt)
     try:
-        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt))
+        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt), run_folder=folder)
     except _Interrupted:
         _on_signals(lambda *_: None)  # a second signal must not cut the clean-up short
         say("interrupted while starting; shutting down")
         stop()
         return
-    except BaseException:
+    except BaseException as exc:
+        exit_with(2 if isinstance(exc, FusionServeError | ModuleNotFoundError) else 1)  # as cli/main.py says it
         stop()
         raise
     done = threading.Event()
@@ -312,10 +337,30 @@ def serve_forever(cfg: ServerConfig) -> None:
         # woken every second: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
         # the handler only once it wakes (a plain wait() then never returns)
         while not done.wait(1.0):
-            pass
+            dead = _ray_died()
+            if dead:
+                say(f"Ray's {dead} died under the server; ending what is left of it (exit 1, for its supervisor to restart it)")
+                end_run(folder)
+                supervise_end(1)
     finally:
         say("shutting down")
         stop()
+
+
+def _ray_died() -> str | None:
+    """Which of the Ray processes this server started and cannot serve without (the GCS, the raylet) has died, as
+    "raylet (pid N)", or None. A dead raylet left the replicas answering from a node that can no longer restart
+    anything, and the server waiting for a GCS call that never returns. Reads Ray's own record of the processes it
+    started (a private API; a joined cluster's processes are not this server's, and are not in it)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return None
+    for kind, process in node.dead_processes():
+        if kind in ("raylet", "gcs_server"):
+            return f"{kind} (pid {process.pid})"
+    return None
 
 
 def _on_signals(handler: Callable[[int, Any], object]) -> None:

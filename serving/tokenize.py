@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from fusionserve.errors import FusionServeError
 
+from .options import CHARS_PER_TOKEN_BUDGET
 from .predictions import TextInput
 
 
@@ -52,12 +53,15 @@ TRUNCATION_DIRECTIONS = ("right", "left")  # the first is the default
 
 class Encoder:
     """Batch tokenizer: pairs encoded as pairs, ``longest_first`` truncation to ``max_length``, padding to the
-    longest sequence in the batch (not to max_length).
+    longest sequence in the batch (not to max_length). Every text is first cut at ``max_chars`` characters (the one
+    place a text is bounded before it is tokenized: ``max_length`` x CHARS_PER_TOKEN_BUDGET), so a text of any length
+    costs what that many characters cost; an input so cut is reported truncated.
 
     Truncation cuts the end of a text (``direction="right"``, the default) or its start (``"left"``: the last
     tokens are kept, as in dialogue and logs where the newest text matters most). Either way [CLS] and [SEP] are
     kept, and a pair is cut as ``longest_first`` cuts it: one token at a time from whichever text is longer at that
-    moment, from that text's end ("right") or its start ("left")."""
+    moment, from that text's end ("right") or its start ("left"). The character cut before tokenizing keeps the same
+    side: a text's first ``max_chars`` characters, or with "left" its last."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int, pad_token: str = "[PAD]") -> None:
         if max_length < 3:
@@ -66,6 +70,7 @@ class Encoder:
         if pad_id is None:
             raise FusionServeError(f"the tokenizer has no pad token {pad_token!r} in its vocabulary")
         self.max_length = max_length
+        self.max_chars = max_length * CHARS_PER_TOKEN_BUDGET
         self.pad_id = int(pad_id)
         # private copies: the padding/truncation settings are ours, the caller's tokenizer is left as it was
         self._plain = Tokenizer.from_str(tokenizer.to_str())
@@ -91,28 +96,33 @@ class Encoder:
         return cls(tok, max_length, pad_token)
 
     def count_tokens(self, inputs: Sequence[TextInput]) -> list[int]:
-        """Untruncated length of each input in tokens, special tokens included."""
-        return [len(e.ids) for e in self._plain.encode_batch([_item(i) for i in inputs])]
+        """Untruncated length of each input in tokens, special tokens included: of its first ``max_chars``
+        characters (``cut`` says which inputs were longer)."""
+        return [len(e.ids) for e in self._plain.encode_batch([self._item(i) for i in inputs])]
+
+    def cut(self, inputs: Sequence[TextInput]) -> list[bool]:
+        """Per input: a text of it is longer than ``max_chars`` characters, so only its start is tokenized."""
+        return [len(i.text) > self.max_chars or len(i.text_pair or "") > self.max_chars for i in inputs]
 
     def encode(self, inputs: Sequence[TextInput], direction: str = "right") -> Encoded:
         """``inputs`` as one padded batch, truncated from ``direction`` (see the class). Raises ValueError for no
         inputs or an unknown direction."""
         if not inputs:
             raise ValueError("nothing to encode")
-        encs = self._pick(self._tok, direction).encode_batch([_item(i) for i in inputs])
+        encs = self._pick(self._tok, direction).encode_batch([self._item(i, direction) for i in inputs])
         return Encoded(
             input_ids=np.asarray([e.ids for e in encs], dtype=np.int64),
             attention_mask=np.asarray([e.attention_mask for e in encs], dtype=np.int64),
             token_type_ids=np.asarray([e.type_ids for e in encs], dtype=np.int64),
-            truncated=[len(e.overflowing) > 0 for e in encs],
+            truncated=[len(e.overflowing) > 0 or cut for e, cut in zip(encs, self.cut(inputs), strict=True)],
         )
 
     def tokens(self, inputs: Sequence[TextInput], direction: str = "right") -> list[Tokens]:
         """Each input's tokens, truncated like ``encode`` but not padded (``pad`` makes a batch of them)."""
-        encs = self._pick(self._unpadded, direction).encode_batch([_item(i) for i in inputs])
+        encs = self._pick(self._unpadded, direction).encode_batch([self._item(i, direction) for i in inputs])
         return [
-            Tokens(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64), len(e.overflowing) > 0)
-            for e in encs
+            Tokens(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64), len(e.overflowing) > 0 or cut)
+            for e, cut in zip(encs, self.cut(inputs), strict=True)
         ]
 
     @staticmethod
@@ -121,6 +131,13 @@ class Encoder:
         if tok is None:
             raise ValueError(f"truncation direction {direction!r} is not known; allowed: {', '.join(TRUNCATION_DIRECTIONS)}")
         return tok
+
+    def _item(self, i: TextInput, direction: str = "right") -> str | tuple[str, str]:
+        """The input as the tokenizer takes it, each text cut at ``max_chars`` characters: its first ones, or with
+        ``direction`` "left" its last ones (the side truncation keeps)."""
+        keep = slice(-self.max_chars, None) if direction == "left" else slice(None, self.max_chars)
+        text = i.text[keep]
+        return text if i.text_pair is None else (text, i.text_pair[keep])
 
     def pad(self, rows: Sequence[Tokens], length: int | None = None) -> Encoded:
         """``rows`` as one batch padded on the right to ``length`` (default: the longest row): what ``encode`` gives
@@ -182,7 +199,3 @@ def bucket_length(seq_len: int, lengths: tuple[int, ...]) -> int:
     itself when there are no buckets or none is long enough."""
     i = bisect.bisect_left(lengths, seq_len)
     return lengths[i] if i < len(lengths) else seq_len
-
-
-def _item(i: TextInput) -> str | tuple[str, str]:
-    return i.text if i.text_pair is None else (i.text, i.text_pair)

@@ -1,4 +1,4 @@
-"""The equations of docs/fusion-math.md ("What AdapterHub computes"), written the obvious way (one adapter at a time, K
+"""The equations of docs/concepts/fusion.md ("What AdapterHub computes"), written the obvious way (one adapter at a time, K
 and V applied to every adapter output), to check the folded implementation against.
 
 At either site an adapter sits (after the attention block: ``mh_adapter``; after the FFN: ``output_adapter``)

@@ -93,14 +93,22 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def launch(artifact: Path, log: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Served:
-    """Start `fusionserve serve` (on ``port``, default a free one; with ``env``, default this process's) and wait (up
-    to 240 s) until it says it is serving."""
+def launch(
+    artifact: Path,
+    log: Path,
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    own_group: bool = False,
+) -> Served:
+    """Start `fusionserve serve` (on ``port``, default a free one; with ``env``, default this process's; with
+    ``own_group``, as the leader of a process group of its own, so that a test can signal the group as an operator
+    does) and wait (up to 240 s) until it says it is serving."""
     port = port or free_port()
     env = dict(env or os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(port), *args]
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=own_group)
     deadline = time.time() + 240
     while "fusionserve: serving" not in log.read_text():
         if proc.poll() is not None:

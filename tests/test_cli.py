@@ -62,7 +62,7 @@ def test_predict_errors_are_clear(built_st, capsys, tmp_path):
     code, _, err = _run(capsys, "predict", tmp_path / "missing.yaml", "--task", "rte", "--text", "hi")
     assert code == 2 and "spec file not found" in err
     code, _, err = _run(capsys, "predict", built_st.spec, "--task", "rte", "--input", tmp_path / "none.jsonl")
-    assert code == 2 and "cannot read input file" in err
+    assert code == 2 and f"input file not found: {tmp_path / 'none.jsonl'}" in err
 
 
 def test_long_text_is_truncated_and_flagged(built_st, capsys):
@@ -96,3 +96,99 @@ def test_inspect_aligns_long_task_names(exported):
     rows = [line for line in lines if line.startswith("  ") and "labels:" in line]
     starts = {len(line) - len(line[2:].split(" ", 1)[1].lstrip()) for line in rows}
     assert len(rows) == len(manifest["tasks"]) and len(starts) == 1, rows
+
+
+# --- outputs never touch an input (issue 30) ---------------------------------------------------------------------
+
+
+def _alias(kind: str, src, tmp_path):
+    """An output path that is the input itself, a symlink to it or a hard link to it."""
+    if kind == "same":
+        return src
+    alias = tmp_path / f"{kind}.jsonl"
+    (alias.symlink_to if kind == "symlink" else alias.hardlink_to)(src)
+    return alias
+
+
+@pytest.mark.parametrize("kind", ["same", "symlink", "hardlink"])
+@pytest.mark.parametrize("command", ["predict", "score", "calibrate"])
+def test_an_output_that_is_the_input_is_refused_and_the_input_kept(artifact, capsys, tmp_path, command, kind):
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"text": s}) + "\n" for s in SENTENCES))
+    before = src.read_bytes()
+    dst = _alias(kind, src, tmp_path)
+    code, out, err = _run(capsys, command, artifact, "--task", "rte", "--input", src, "--output", dst)
+    assert src.read_bytes() == before  # nothing lost
+    assert (code, out) == (2, "")
+    assert err == f"fusionserve: error: --output {dst} is the input file {src}; write to another file\n"
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("{tmp}/dir.jsonl", "--output {tmp}/dir.jsonl is a folder; name a file to write"),
+        ("{tmp}/no/such/out.jsonl", "--output {tmp}/no/such/out.jsonl: its folder {tmp}/no/such does not exist"),
+        ("{tmp}/rows.jsonl/out.jsonl", "--output {tmp}/rows.jsonl/out.jsonl: {tmp}/rows.jsonl is not a folder"),
+        ("/proc/out.jsonl", "cannot write --output /proc/out.jsonl: "),
+    ],
+)
+@pytest.mark.parametrize("command", ["predict", "score", "calibrate"])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(artifact, capsys, tmp_path, command, where, says):
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({"text": "a sentence"}) + "\n")
+    (tmp_path / "dir.jsonl").mkdir()
+    dst = where.format(tmp=tmp_path)
+    code, out, err = _run(capsys, command, artifact, "--task", "rte", "--input", src, "--output", dst)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"fusionserve: error: {says.format(tmp=tmp_path)}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.jsonl", "rows.jsonl"]  # nothing written, nothing left
+
+
+def test_a_side_file_of_score_that_is_the_input_is_refused(artifact, capsys, tmp_path):
+    src = tmp_path / "out.jsonl.errors.jsonl"
+    src.write_text(json.dumps({"text": "a sentence"}) + "\n")
+    before = src.read_bytes()
+    code, _, err = _run(capsys, "score", artifact, "--task", "rte", "--input", src, "--output", tmp_path / "out.jsonl")
+    assert code == 2 and src.read_bytes() == before
+    assert err == f"fusionserve: error: out.jsonl's side file {src} is the input file {src}; write to another file\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("folder.jsonl", "input file {src} is a folder; name a file"),
+        ("utf16.jsonl", "input file {src} looks UTF-16-encoded; fusionserve reads UTF-8: convert it (e.g. iconv -f UTF-16"),
+        ("none.jsonl", "input file not found: {src}"),
+    ],
+)
+@pytest.mark.parametrize("command", ["predict", "evaluate", "calibrate"])
+def test_an_input_that_cannot_be_read_is_one_line_and_exit_2(artifact, capsys, tmp_path, command, name, says):
+    (tmp_path / "folder.jsonl").mkdir()
+    (tmp_path / "utf16.jsonl").write_text(json.dumps({"text": "café", "label": "x"}) + "\n", encoding="utf-16")
+    src, dst = tmp_path / name, tmp_path / "out.json"
+    code, out, err = _run(
+        capsys, command, artifact, "--task", "rte", "--input", src, *(["--output", dst] if command != "evaluate" else [])
+    )
+    assert (code, out) == (2, "")
+    assert err.startswith(f"fusionserve: error: {says.format(src=src)}") and err.count("\n") == 1, err
+    assert not dst.exists()
+
+
+def test_predict_reports_a_latin1_line_and_a_line_over_the_limit_in_their_place_and_goes_on(artifact, capsys, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [json.dumps({"text": s}).encode() for s in SENTENCES]
+    lines[1] = '{"text": "café au lait"}'.encode("latin-1")
+    lines[3] = json.dumps({"text": "word " * 100}).encode()  # 512 bytes and the line end
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    code, _, err = _run(capsys, "predict", artifact, "--task", "rte", "--input", src, "--output", dst, "--max-row-bytes", 300)
+    assert code == 1 and f"2 of {len(lines)} inputs failed" in err
+    rows = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert rows[1] == {
+        "line": 2,
+        "error": "not valid UTF-8: byte 0xe9 at column 14; convert the file to UTF-8 (a latin-1 file: iconv -f LATIN1 -t UTF-8)",
+    }
+    assert rows[3] == {"line": 4, "error": "row is 513 bytes, over the limit of 300 (--max-row-bytes); left out"}
+    assert len(rows) == len(lines) and all("label" in r for i, r in enumerate(rows) if i not in (1, 3))
+    src.write_bytes('{"text": "a film", "label": "neutral"}\n{"text": "café", "label": "neutral"}\n'.encode("latin-1"))
+    code, out, err = _run(capsys, "evaluate", artifact, "--task", "rte", "--input", src)
+    assert code == 0 and "line 2: not valid UTF-8: byte 0xe9 at column 14" in err and "/1; 95% CI" in out  # one line counted

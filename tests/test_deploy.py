@@ -155,6 +155,10 @@ def test_pods_start_ray_with_the_ingress_settings_and_workers_are_ready_on_ready
         key = next(e for e in container["env"] if e["name"] == API_KEY_ENV)  # from a Secret, never written here
         assert set(key) == {"name", "valueFrom"} and key["valueFrom"]["secretKeyRef"]["name"] == "fusionserve-api-key"
         assert set(wanted) <= set(env), f"{name} misses {set(wanted) - set(env)}"
+        # Ray's token authentication on every pod, the token from a Secret (not written in the manifest)
+        token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
+        assert env["RAY_AUTH_MODE"] == "token" and set(token) == {"name", "valueFrom"}, token
+        assert token["valueFrom"]["secretKeyRef"]["key"] == "token"
         assert {k: v for k, v in env.items() if k in wanted and k != "RAY_SERVE_HAPROXY_NBTHREAD"} == {
             k: v for k, v in wanted.items() if k != "RAY_SERVE_HAPROXY_NBTHREAD"
         }

@@ -11,7 +11,7 @@ import yaml
 from fusionserve.errors import FusionServeError, SpecError
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.validate import TOLERANCES, ParityError
-from fusionserve.serving.artifact import ArtifactError, load_artifact
+from fusionserve.serving.artifact import ArtifactError, load_artifact, sha256
 from fusionserve.serving.runtime import OnnxRunner
 from tests.export_helpers import _cli
 
@@ -53,8 +53,19 @@ def _change_model(folder: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _list_outside(name: str):
+    """A manifest whose ``files`` names a file outside the artifact, with that file's true checksum."""
+    return _edit_manifest(lambda m: m["files"].update({name: sha256(Path("/etc/hostname"))}))
+
+
 # case -> (tamper, file the message names, what it says)
 TAMPER = {
+    "file_outside": (
+        _list_outside("../" * 30 + "etc/hostname"),  # deep enough to reach / from any tmp folder
+        "manifest.json",
+        "lists '../../../../../../../../",
+    ),
+    "absolute_file": (_list_outside("/etc/hostname"), "manifest.json", "entries name files in the folder itself"),
     "model_changed": (_change_model, "model.onnx", "checksum differs from the manifest"),
     "tokenizer_deleted": (lambda f: (f / "tokenizer.json").unlink(), "", "tokenizer.json is missing"),
     "manifest_not_json": (lambda f: (f / "manifest.json").write_text("{not json"), "manifest.json", "not valid JSON"),
@@ -84,6 +95,27 @@ def test_tampered_artifact_is_refused(exported, tmp_path, capsys, case):
     assert code == 2 and out == ""
     assert err.startswith("fusionserve: error: ") and named in err and says in err
     assert "Traceback" not in err
+
+
+def test_a_corrupt_model_whose_checksum_matches_is_refused_by_predict_and_by_serve_before_ray_starts(
+    exported, tmp_path, capsys, monkeypatch
+):
+    folder = tmp_path / "artifact"
+    shutil.copytree(exported.folder, folder)
+    (folder / "model.onnx").write_bytes((folder / "model.onnx").read_bytes()[:5000])  # cut short, then re-hashed
+    _edit_manifest(lambda m: m["files"].update({"model.onnx": sha256(folder / "model.onnx")}))(folder)
+    import fusionserve.serving.server as server
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for an artifact that cannot load")
+
+    monkeypatch.setattr(server, "connect", no_ray)
+    for argv in (["predict", folder, "--task", "rte", "--text", "hi"], ["serve", folder, "--port", 8590]):
+        code, out, err = _cli(capsys, *argv)
+        assert code == 2 and out == "", err
+        lines = [line for line in err.splitlines() if line.startswith("fusionserve: error: ")]
+        assert len(lines) == 1 and f"cannot load {folder.resolve() / 'model.onnx'} with ONNX Runtime" in lines[0], err
+        assert "Traceback" not in err
 
 
 def test_folder_without_manifest_is_refused(exported, tmp_path, capsys):
@@ -125,6 +157,14 @@ def test_existing_out_needs_force(built_st, tmp_path):
     assert not (out / "mine.txt").exists()
     assert load_artifact(out).manifest == manifest and manifest["max_seq_len"] == 8
     assert list(tmp_path.iterdir()) == [out]  # no temporary folder left beside it
+
+
+@pytest.mark.parametrize("out", [".", "heads", "heads/rte", "model.yaml"])
+def test_out_that_holds_the_spec_or_its_folders_is_refused_even_with_force(root, out):
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(FusionServeError, match="which the spec reads; the export would replace it: choose another folder"):
+        export_artifact(root / "model.yaml", root / out, force=True, progress=False)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing deleted
 
 
 def test_existing_file_as_out_needs_force(built_st, tmp_path):

@@ -1,4 +1,4 @@
-"""The folded fusion (export/fusion.py) equals the plain equations of docs/fusion-math.md ("What AdapterHub computes")
+"""The folded fusion (export/fusion.py) equals the plain equations of docs/concepts/fusion.md ("What AdapterHub computes")
 (tests/reference.py), block by block on random weights, at both sites an adapter sits: after the FFN and after the
 attention block, with the pretrained LayerNorm before the adapters (Pfeiffer, ``ln_before``) or not (Houlsby). The
 assembled model is batch-invariant and stateless."""

@@ -205,6 +205,31 @@ def test_bad_rows_go_to_the_side_file_and_the_job_goes_on(artifact, tmp_path, ca
     ]
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_rows_over_the_size_limit_or_not_utf8_are_bad_rows_at_their_own_row_and_the_job_goes_on(artifact, tmp_path, capsys, fmt):
+    rows = [{"id": i, "text": t} for i, t in enumerate(_texts(60, seed=3))]  # more than one 8 KB decoding block
+    rows[7]["text"] = "long " * 100  # 500 bytes: over --max-row-bytes 400
+    src = _write(tmp_path / f"in.{fmt}", rows)
+    if fmt != "parquet":  # a latin-1 byte in row 50 (a CSV field with a line break before it: rows are not lines)
+        data = src.read_bytes().replace(rows[49]["text"].encode(), b'"caf\xe9\nau lait"' if fmt == "csv" else b"caf\xe9")
+        src.write_bytes(data.replace(rows[20]["text"].encode(), b'"two\nlines"' if fmt == "csv" else b"two lines"))
+    dst = tmp_path / f"out.{fmt}"
+    code, out, _ = _cli(capsys, "score", artifact, "--task", "rte", "--input", src, "--output", dst, "--max-row-bytes", 400)
+    assert code == 1 and f"scored {58 if fmt != 'parquet' else 59} of 60 rows" in out
+    size = {"jsonl": len(json.dumps(rows[7]) + "\n"), "csv": len(f"7,{rows[7]['text']}\r\n"), "parquet": 500}[fmt]
+    errors = _errors(dst)
+    assert errors[0] == {"row": 8, "error": f"row is {size} bytes, over the limit of 400 (--max-row-bytes); left out"}
+    if fmt != "parquet":
+        col = len('{"id": 49, "text": "caf') + 1 if fmt == "jsonl" else 4
+        field = "field 2: " if fmt == "csv" else ""
+        assert errors[1] == {
+            "row": 50,
+            "error": f"{field}not valid UTF-8: byte 0xe9 at column {col}; convert the file to UTF-8 (a latin-1 file: iconv -f LATIN1 -t UTF-8)",
+        }
+    left_out = (7,) if fmt == "parquet" else (7, 49)
+    assert [r["id"] for r in _read(dst)] == [str(r["id"]) if fmt == "csv" else r["id"] for r in rows if r["id"] not in left_out]
+
+
 @pytest.mark.parametrize(
     ("make", "args", "says"),
     [
@@ -225,6 +250,10 @@ def test_bad_rows_go_to_the_side_file_and_the_job_goes_on(artifact, tmp_path, ca
             "{tmp}/labelled.csv already has 'label'; pass --prefix (e.g. --prefix pred_)",
         ),
         ("in.csv", ["--input", "{tmp}/none.jsonl"], "input file not found: {tmp}/none.jsonl"),
+        ("in.csv", ["--input", "{tmp}/folder.csv"], "input file {tmp}/folder.csv is a folder; name a file"),
+        ("in.csv", ["--input", "{tmp}/utf16.csv"], "input file {tmp}/utf16.csv looks UTF-16-encoded; fusionserve reads UTF-8"),
+        ("in.jsonl", ["--input", "{tmp}/utf16.jsonl"], "input file {tmp}/utf16.jsonl looks UTF-16-encoded; fusionserve"),
+        ("in.csv", ["--max-row-bytes", "0"], "--max-row-bytes must be at least 1, got 0"),
         ("in.csv", ["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     ],
 )
@@ -236,6 +265,9 @@ def test_fatal_errors_are_clear_and_exit_2(artifact, tmp_path, capsys, make, arg
     else:
         _write(src, rows)
     _write(tmp_path / "labelled.csv", [{**r, "label": "x"} for r in rows])
+    (tmp_path / "folder.csv").mkdir()
+    for name in ("utf16.csv", "utf16.jsonl"):  # what a Windows editor saves as "Unicode"
+        (tmp_path / name).write_text(_write(tmp_path / name, rows).read_text(), encoding="utf-16")
     out = tmp_path / f"out{src.suffix}"
     extra = [a.format(tmp=tmp_path) for a in args]  # argparse keeps the last of a repeated option
     code, _, err = _cli(capsys, "score", artifact, "--task", "rte", "--input", src, "--output", out, *extra)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fusionserve.export.artifact import export_artifact
+from fusionserve.serving.options import MAX_ERROR_CHARS
 from tests.serving_helpers import (
     MARK_ENV,
     alive,
@@ -101,6 +102,11 @@ def _corpus() -> list[bytes]:
         b'{"task": "rte", "inputs": ["' + "\u202e\u0301\U0001f600".encode() * 50 + b'"]}', b'{"task": "rte", "inputs": ["' + b"a" * 3000 + b'"]}',
         b'{"task": "rte", "inputs": [1e999]}', b'{"task": "rte", "inputs": [-0.0, NaN]}', b'{"task": "' + b"x" * 3000 + b'", "inputs": ["a"]}',
         b'{"task": "rte", "task": "nli", "inputs": ["a"]}', b'{"task": "rte", "inputs": ["a"]} trailing', good[:-1], good + b"}",
+        # issue 30: texts of only control or zero-width characters, long and many task names, a text far over the
+        # token limit (cut before tokenizing), strict on it
+        b'{"task": "rte", "inputs": ["\\u200b\\u200d\\ufeff"]}', b'{"task": "rte", "inputs": ["\x01\x02\\u0000"]}',
+        b'{"task": "' + b"y" * 16_500 + b'", "inputs": ["a"]}', json.dumps({"tasks": ["n" * 100 + str(i) for i in range(300)], "inputs": ["a"]}).encode(),
+        b'{"task": "rte", "inputs": ["' + b"word " * 180_000 + b'"]}', b'{"task": "rte", "strict": true, "inputs": ["' + b"w " * 400_000 + b'"]}',
     ]  # fmt: skip
     rng = random.Random(0)
     mutated = []
@@ -126,6 +132,7 @@ def test_fuzzed_bodies_never_get_a_500_and_the_server_keeps_serving(server):
         assert status in (200, 404, 413, 422), (status, body[:80], answer)
         if status != 200:
             assert set(answer) == {"error"} and set(answer["error"]) == {"type", "message"}, answer
+            assert len(answer["error"]["message"]) <= MAX_ERROR_CHARS, answer
     assert {200, 422} <= seen
     big = b'{"task": "rte", "inputs": ["' + b"x" * 10_000_000 + b'"]}'  # 10 MB: refused by its Content-Length (limit 1 MB)
     status, answer = _post(server.port, big)
@@ -144,6 +151,33 @@ def test_a_body_shorter_than_its_content_length_gets_408_and_the_server_goes_on(
     assert b'"body_timeout"' in answer
     assert waited < 30  # answered, not held until the client gives up
     assert call(server.url + "/v1/classify", {"task": "rte", "inputs": ["after a slow client"]})[0] == 200
+
+
+def test_after_a_408_the_connection_is_closed(server):
+    """Through HAProxy the replica's 408 lost its `connection: close`: the client's connection stayed open, HAProxy
+    still waiting for the rest of the body, and a request sent on it hung. HAProxy now answers the 408 itself (JSON,
+    serving/haproxy_rules.py) and closes the connection."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
+        s.sendall(b'POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"ta')
+        answer = b""
+        while b"}}" not in answer:
+            chunk = s.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer, answer
+        try:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            after = s.recv(65536)
+        except (BrokenPipeError, ConnectionResetError):
+            after = b""
+        assert after == b""  # closed, not a request read as the rest of the body
+
+
+def test_a_method_no_route_has_gets_a_json_405(server):
+    """uvicorn answered an unknown method with a plain-text 400."""
+    answer = _raw(server.port, b"FOO /healthz HTTP/1.1\r\nHost: x\r\n\r\n", timeout=15)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405") and json.loads(body)["error"]["type"] == "method_not_allowed", answer
 
 
 @pytest.mark.parametrize("flag", ["strict", "return_fusion_activations"])
@@ -316,3 +350,16 @@ def test_each_server_has_its_own_fallback_proxy_ports():
         assert first[key] != second[key]
         assert port_holder("127.0.0.1", int(first[key])) is None
     assert "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT" not in ingress_env("proxy")  # Serve's proxy ingress has no fallback
+
+
+def test_each_server_has_its_own_replica_grpc_ports():
+    """Serve binds the replicas' gRPC ports with port reuse on (its option to turn it off is a string gRPC ignores):
+    with Serve's one default range, the first replica of every server on a machine listened on *:40000 (seen with ss:
+    three servers' replicas on one port), and gRPC calls through one server's HAProxy reached the others' models (a
+    call got another server's size limit). Each server's replicas take their gRPC ports from a free range of its own."""
+    from fusionserve.serving.ingress import ingress_env, port_holder
+
+    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
+    assert low != int(second["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) and low < high <= 65535
+    assert port_holder("127.0.0.1", low) is None

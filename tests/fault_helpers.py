@@ -1,0 +1,183 @@
+"""Load while a part of a running server is killed, and what the clients saw: shared by tests/test_serving_faults_load.py
+(which asserts behaviour) and benchmarks/faults.py (which records the figures).
+
+A client sends one request at a time. A connection refused before anything was sent is retried (every 0.2 s, as a
+load balancer's client does; nothing was sent, so nothing runs twice); a request is **lost** when it got no answer
+once sent (connection reset, timeout) or a 5xx other than the documented 503 overload answer, or when no attempt
+connected within ``give_up_s``. A **hang** is a request that ran into the client's timeout."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLIENTS = 16
+TIMEOUT_S = 20.0  # one attempt's timeout: a request that takes this long is a hang
+BODY = json.dumps({"task": "rte", "inputs": ["a fine film, well acted"]}).encode()
+
+
+@dataclass
+class Record:
+    sent: float
+    done: float
+    status: int  # 0: no answer
+    error: str = ""
+    retries: int = 0
+
+
+@dataclass
+class Load:
+    """``CLIENTS`` threads posting to ``port`` until ``stop()``."""
+
+    port: int
+    give_up_s: float = 60.0
+    records: list[Record] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, clients: int = CLIENTS) -> Load:
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> list[Record]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(TIMEOUT_S + self.give_up_s)
+        return self.records
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            rec = self._one()
+            with self._lock:
+                self.records.append(rec)
+            if rec.status != 200:
+                time.sleep(0.1)
+
+    def _one(self) -> Record:
+        sent, retries = time.monotonic(), 0
+        while True:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
+            try:
+                conn.connect()
+            except OSError as exc:
+                conn.close()
+                if time.monotonic() - sent > self.give_up_s or self._stop.is_set():
+                    return Record(sent, time.monotonic(), 0, f"no connection: {exc}", retries)
+                retries += 1
+                time.sleep(0.2)
+                continue
+            try:
+                conn.request("POST", "/v1/classify", BODY, {"content-type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                return Record(sent, time.monotonic(), resp.status, "", retries)
+            except TimeoutError as exc:
+                return Record(sent, time.monotonic(), 0, f"hang: {exc}", retries)
+            except OSError as exc:
+                return Record(sent, time.monotonic(), 0, f"{type(exc).__name__}: {exc}", retries)
+            except http.client.HTTPException as exc:
+                return Record(sent, time.monotonic(), 0, f"{type(exc).__name__}: {exc}", retries)
+            finally:
+                conn.close()
+
+
+def lost(r: Record) -> bool:
+    return r.status == 0 or (r.status >= 500 and r.status != 503)
+
+
+def summary(fault: str, records: list[Record], killed_at: float) -> dict:
+    """What the clients saw around a kill at ``killed_at``: requests, answers, lost and hung ones, the outage (the
+    longest time without a 200, from the kill to the end of the load) and the time from the kill to the 200 that
+    ended it (None when none did: the load ended first)."""
+    oks = sorted(r.done for r in records if r.status == 200 and r.done >= killed_at)
+    end = max((r.done for r in records), default=killed_at)
+    gaps = [(b - a, b) for a, b in itertools.pairwise([killed_at, *oks, end])]
+    outage, back = max(gaps, default=(0.0, killed_at))
+    return {
+        "fault": fault,
+        "requests": len(records),
+        "ok": sum(r.status == 200 for r in records),
+        "overloaded_503": sum(r.status == 503 for r in records),
+        "lost": sum(lost(r) for r in records),
+        "lost_examples": sorted({(r.error or f"HTTP {r.status}")[:80] for r in records if lost(r)})[:4],
+        "answered_4xx": sum(400 <= r.status < 500 for r in records),  # 404 from a HAProxy that has no routes yet
+        "hung": sum(r.error.startswith("hang") for r in records),
+        "retried": sum(r.retries > 0 for r in records),
+        "outage_s": round(outage, 2),
+        "back_after_s": round(back - killed_at, 2) if back in oks else None,
+    }
+
+
+def under_load(
+    port: int,
+    fault: str,
+    kill: Callable[[], object],
+    restart: Callable[[], object] | None = None,
+    settle_s: float = 4.0,
+    after_s: float = 6.0,
+    bound_s: float = 90.0,
+) -> dict:
+    """``CLIENTS`` clients on ``port``; after ``settle_s``, ``kill()`` then ``restart()`` (a supervisor's restart, by
+    hand); the load goes on until the server has answered for ``after_s`` s again (at most ``bound_s``). Returns
+    ``summary``."""
+    load = Load(port, give_up_s=bound_s).start()
+    time.sleep(settle_s)
+    killed_at = time.monotonic()
+    kill()
+    if restart is not None:
+        restart()
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        back = [r.done for r in list(load.records) if r.status == 200 and r.sent > killed_at + 0.5]
+        if back and time.monotonic() - min(back) > after_s:
+            break
+        time.sleep(0.5)
+    return summary(fault, load.stop(), killed_at)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def processes(server_pid: int) -> dict[int, str]:
+    """Every process below the server ``server_pid``, with its command line."""
+    from tests.serving_helpers import descendants
+
+    return {p: cmdline(p) for p in descendants(server_pid)}
+
+
+def kill_replica(server_pid: int) -> list[int]:
+    pid = next(p for p, c in processes(server_pid).items() if "ServeReplica" in c)
+    os.kill(pid, signal.SIGKILL)
+    return [pid]
+
+
+def kill_haproxy(server_pid: int) -> list[int]:
+    """Every HAProxy process of the server's (a reload leaves the old one draining for a while)."""
+    from tests.serving_helpers import haproxy_config
+
+    config = str(haproxy_config(server_pid))
+    pids = [p for p, c in processes(server_pid).items() if config in c]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def kill_raylet(server_pid: int) -> list[int]:
+    pid = next(p for p, c in processes(server_pid).items() if "/raylet/raylet " in c)
+    os.kill(pid, signal.SIGKILL)
+    return [pid]
