@@ -41,6 +41,17 @@ def test_left_truncation_keeps_the_last_tokens_and_the_special_ones(tokenizer):
     assert enc.tokens([short], "left")[0].ids.tolist() == enc.tokens([short], "right")[0].ids.tolist()
 
 
+def test_left_truncation_of_a_text_past_the_character_cut_keeps_its_real_end(tokenizer):
+    """A text far past the limit is cut at max_chars characters before tokenizing: with "left", its last ones."""
+    enc = Encoder(tokenizer, MAX_LEN)
+    text = " ".join(SENTENCES * 200)  # far over max_chars
+    assert len(text) > 2 * enc.max_chars
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tail = _plain(tokenizer, text[-enc.max_chars :])
+    assert enc.tokens([TextInput(text)], "left")[0].ids.tolist() == [cls, *tail[-(MAX_LEN - 2) :], sep]
+    assert tail[-(MAX_LEN - 2) :] == _plain(tokenizer, " ".join(SENTENCES[-3:]))[-(MAX_LEN - 2) :]  # the text's real end
+
+
 def test_a_pair_is_cut_from_the_longer_text_at_the_chosen_side(tokenizer):
     enc = Encoder(tokenizer, MAX_LEN)
     a, b = SENTENCES[0], " ".join(SENTENCES[1:])
