@@ -20,6 +20,7 @@ from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
 from fusionserve.serving.runtime import make_session
 from fusionserve.serving.tables import WithTables, stack, table_specs
+from fusionserve.serving.tokenize import Encoder
 
 from .build import Dropped
 from .live import graph_tables, write_first_revision
@@ -159,11 +160,11 @@ def _validated_graph(
     step: _Steps,
     grid: str,
     int8: Int8Options,
+    encoder: Any = None,
     live: bool = False,
 ) -> tuple[Any, FusionReport, Any, dict[str, Any] | None]:
     """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 record).
-    int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph. ``live``: the per-task
-    tensors are graph inputs (``live.py``), fed from the model's own tasks for the checks.
+    int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph.
     Raises ExportError, ParityError or Int8GateError."""
     raw = work / "raw.onnx"
     export_raw(model, raw, opset, live)
@@ -177,7 +178,7 @@ def _validated_graph(
         print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
     session = make_session(work / MODEL_FILE, device="cpu")
     tables = _live_tables(session, model) if live else None
-    if tables is not None:
+    if tables is not None:  # a live graph (live.py): fed its own tasks' tables for the checks
         session = WithTables(session, tables)
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
@@ -186,7 +187,7 @@ def _validated_graph(
     if precision != "int8":
         return session, report, parity, None
     step("quantizing to int8")
-    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress)
+    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress, encoder)
     step(f"int8 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
     return session, report, parity, record
 
@@ -231,23 +232,27 @@ def export_artifact(
 
     Raises SpecError/CheckpointError (bad inputs), ExportError (export or optimizer failure), ParityError (ONNX
     Runtime disagrees with PyTorch beyond the tolerance), Int8GateError (the int8 graph departs from the fp32 one
-    beyond the gate) or FusionServeError (bad options, existing folder). ``live``: the tasks are revisions beside one
-    graph (``live.py``; ``fusionserve tasks`` adds, replaces and removes them later).
-    """
+    beyond the gate) or FusionServeError (bad options, existing folder). ``live``: tasks beside the graph (live.py)."""
     out = Path(out).resolve()
     _check_options(precision, opset, out, force)
     if parity_grid not in GRIDS:
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     step = _Steps(progress, 8 if precision == "int8" else 6)
-    spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
+    try:
+        spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
+    except BaseException:  # the bar ends before the error is printed, not after it when the process exits
+        step.bar.close()
+        raise
     step("model built")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
+        # int8's calibration file is tokenized as serving will tokenize
+        encoder = Encoder(tok.backend_tokenizer, max_seq_len, str(tok.pad_token)) if int8.calibration else None
         session, report, parity, int8_record = _validated_graph(
-            work, model, precision, opset, max_seq_len, step, parity_grid, int8, live
+            work, model, precision, opset, max_seq_len, step, parity_grid, int8, encoder, live
         )
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():
@@ -256,13 +261,9 @@ def export_artifact(
         manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token), inputs)
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
-        if int8_record is not None:
-            manifest["int8"] = int8_record
-        if pruning is not None:
-            manifest["pruning"] = pruning
+        manifest |= {k: v for k, v in {"int8": int8_record, "pruning": pruning}.items() if v is not None}
         manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}
-        if live:
-            manifest["live"] = write_first_revision(work, spec, model, session.session, {"parity": manifest["parity"]})
+        manifest |= {"live": write_first_revision(work, spec, model, session.session, manifest["parity"])} if live else {}
         manifest = _publish(work, out, manifest, step)
     finally:
         step.bar.close()

@@ -143,7 +143,8 @@ def write_first_revision(
     for (name, index), slices in zip(model.task_index.items(), graph_tables(model, specs), strict=True):
         file, digest = write_task_file(folder, name, slices)
         tasks[name] = task_record(model, name, index, file, digest, source_of(spec, name))
-    revisions.write(folder, {"revision": 0, "parent": None, "change": {"op": "export"}, "tasks": tasks, "checks": checks})
+    doc = {"revision": 0, "parent": None, "change": {"op": "export"}, "tasks": tasks, "checks": {"parity": checks}}
+    revisions.write(folder, doc)
     revisions.publish(folder, 0)
     return {"tables": list(specs), "head_form": asdict(model.head_form()), "logits_width": model.max_labels}
 

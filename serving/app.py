@@ -27,7 +27,8 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 
 from . import revisions
-from .artifact import MANIFEST, Artifact, ArtifactError, load_artifact, sha256
+from .artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
 from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc
@@ -35,7 +36,8 @@ from .metrics import Metrics
 from .options import bounded
 from .predictions import TextInput
 from .runtime import OnnxRunner
-from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
+from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
+from .tei import predictions, read_request
 
 app = FastAPI(
     title="fusionserve",
@@ -70,6 +72,31 @@ class _ClassifyFastPath:
         await response(scope, receive, send)
 
 
+class _KeyGuard:
+    """With an API key set, every request outside the open paths (probes, docs, and /metrics unless closed) must
+    carry it (serving/auth.py), whichever route, the fast path's included: refused here with 401 before anything
+    else reads it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        replica = _replica
+        if (
+            replica is None
+            or replica.keys is None
+            or scope["type"] != "http"
+            or is_open(scope["path"], replica.open_metrics)
+            or replica.keys.allows(header(scope["headers"]))
+        ):
+            await self.app(scope, receive, send)
+            return
+        replica.stats.observe_rejected(UNAUTHORIZED.reason)
+        replica.stats.observe_request("-", UNAUTHORIZED.status, 0.0)
+        response = _error(UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.message, CHALLENGE)
+        await response(scope, receive, send)
+
+
 class _HeadAsGet:
     """HEAD on a GET route answers as GET would, without the body (Starlette's plain routes do this; FastAPI's do not,
     so HEAD /healthz was a 405)."""
@@ -93,13 +120,14 @@ class _HeadAsGet:
 
 app.add_middleware(_ClassifyFastPath)
 app.add_middleware(_HeadAsGet)
+app.add_middleware(_KeyGuard)  # added last: the outermost, in front of the fast path too
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
 
 
-def _error(status: int, reason: str, message: str) -> Response:
+def _error(status: int, reason: str, message: str, extra: dict[str, str] | None = None) -> Response:
     # after a body that never completed, the connection is out of step: close it rather than keep it alive
-    headers = {"connection": "close"} if status == 408 else None
+    headers = ({"connection": "close"} if status == 408 else {}) | (extra or {})
     return _json({"error": {"type": reason, "message": bounded(message)}}, status, headers)
 
 
@@ -149,6 +177,14 @@ def _where() -> dict[str, str]:
         return {"replica": str(os.getpid()), "node": "-"}
 
 
+def _serve_with(replica: "FusionServe") -> None:
+    """Make ``replica`` the middlewares' target. A function of this module, not ``global`` in ``__init__``: Serve ships
+    the class by value (``serve.ingress`` rebinds its module name), so its methods write globals of a copy of this
+    module's namespace, which the middlewares (shipped by reference) never see."""
+    global _replica
+    _replica = replica
+
+
 def _check_identity(folder: Path, expected: str | None) -> None:
     """The builder names the artifact every replica must serve (its manifest's sha256): a node whose copy differs
     (another model at the same path, a stale runtime-env copy) must not answer for it."""
@@ -165,10 +201,19 @@ class FusionServe:
 
     def __init__(
         self, artifact_dir: str, limits: Limits, batch: BatchLimits, threads: int | None, device: str = "auto",
-        artifact_sha256: str | None = None,
+        artifact_sha256: str | None = None, api_key_env: str | None = None, open_metrics: bool = True,
+        default_task: str | None = None,
     ) -> None:  # fmt: skip
         artifact = load_artifact(artifact_dir)
         _check_identity(artifact.folder, artifact_sha256)
+        # the keys from this process's own environment (never an argument: see serving/auth.py); none set: refused
+        self.keys = KeyCheck.from_env(api_key_env) if api_key_env else None
+        self.open_metrics = open_metrics
+        if default_task is not None and default_task not in artifact.tasks:
+            raise FusionServeError(
+                f"default_task '{default_task}' is not a task of {artifact.folder}; known tasks: {', '.join(artifact.tasks)}"
+            )
+        self.default_task = default_task
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
             os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
         # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
@@ -185,12 +230,10 @@ class FusionServe:
         self._ready_at = 0.0
         self.where = _where()
         self._headers = {f"x-fusionserve-{k}": v for k, v in self.where.items()}
-        global _replica
-        _replica = self
+        _serve_with(self)
 
     def _follow_revisions(self) -> None:
-        """Poll the revision pointer (one stat) every ``_REVISION_POLL_S``; load a new revision beside the one served and
-        switch to it between batches. A revision that does not load is logged and counted; the old one stays."""
+        """Poll the revision pointer (a stat) every ``_REVISION_POLL_S``; a revision that does not load keeps the old."""
         while True:
             time.sleep(_REVISION_POLL_S)
             try:
@@ -204,20 +247,14 @@ class FusionServe:
                 time.sleep(_REVISION_POLL_S * 10)  # the same failure, checked again a little later
 
     def reconfigure(self, config: dict[str, Any]) -> None:
-        """Serve's ``user_config``: a revision bundled by ``fusionserve tasks config`` (revision number and files), for
-        clusters whose nodes do not share the artifact folder. Written into this node's copy, then served; an empty
-        config changes nothing. Raises RevisionError (Serve then keeps the replicas on the config they had)."""
+        """Serve's ``user_config``: a revision from ``fusionserve tasks config``, for nodes that do not share the folder:
+        written into this node's copy, then served. Raises RevisionError (Serve keeps the config the replicas had)."""
         if config.get("revision") is None:
             return
         revisions.install(self.runner.artifact.folder, config)
         if self.runner.refresh():
             self.stats.revision.set(self.runner.served.revision or 0)
             self.stats.revision_loads.labels("loaded").inc()
-
-    @property
-    def artifact(self) -> Artifact:
-        """The artifact at the revision served now."""
-        return self.runner.artifact
 
     def _on_batch(self, batch: BatchStats) -> None:
         tasks = self.runner.artifact.tasks  # a task removed meanwhile reports its activations without adapter names
@@ -239,19 +276,31 @@ class FusionServe:
     )
     async def classify(self, request: Request) -> Response:
         """Classify texts (or text pairs) for one task, or for several ("tasks") in one call."""
-        outcome = await self.core(lambda: self._read(request), "POST /v1/classify")
+        outcome = await self.core(lambda: self._read(request), "POST /v1/classify", request.headers.get(TIMEOUT_HEADER))
         if isinstance(outcome, HTTPError):
             return _error(outcome.status, outcome.reason, outcome.message)
         return _json(outcome, headers=self._headers)
 
+    @app.post("/predict", responses={404: {"description": "no --default-task"}, 422: {"description": "bad request body"}})
+    async def predict(self, request: Request) -> Response:
+        """TEI's /predict for the server's --default-task: a text, a pair [a, b] or a list of them (serving/tei.py);
+        answers [{label, score}, ...] sorted by score, or a list of those for a list."""
+        return await self._compatible(request, "/predict", nested=False)
+
+    @app.post("/", responses={404: {"description": "no --default-task"}, 422: {"description": "bad request body"}})
+    async def inference_api(self, request: Request) -> Response:
+        """The Hugging Face Inference API's text classification for the --default-task ({"inputs", "parameters"});
+        answers a list of [{label, score}, ...] per input, as huggingface_hub's InferenceClient reads it."""
+        return await self._compatible(request, "/", nested=True)
+
     async def Classify(self, request: Any, grpc_context: Any = None) -> Any:
         """gRPC ``fusionserve.v1.Classifier/Classify``: the same path as POST /v1/classify (serving/grpc_ingress.py)."""
-        return await classify_grpc(self.core, request, grpc_context, self.where)
+        return await classify_grpc(self.core, request, grpc_context, self.where, self.keys)
 
     @app.get("/v1/tasks")
     async def tasks(self) -> Response:
         """Served tasks with their labels and adapters, the limits, and (a live artifact) the revision served."""
-        artifact = self.artifact
+        artifact = self.runner.artifact
         body = {
             "revision": artifact.revision,
             "max_seq_len": artifact.max_seq_len,
@@ -271,7 +320,7 @@ class FusionServe:
     async def readyz(self) -> Response:
         """The model answers a real request (checked at most every 5 s)."""
         if time.monotonic() - self._ready_at > _READY_EVERY_S:
-            task = next(iter(self.artifact.tasks))
+            task = next(iter(self.runner.artifact.tasks))
             try:
                 await self.scheduler.submit(task, (TextInput("ready"),))
             except Exception as exc:  # any failure of the model path means not ready; say which
@@ -303,6 +352,22 @@ class FusionServe:
         return Response(body, media_type=content_type)
 
     # --- helpers --------------------------------------------------------------------------------------------
+
+    async def _compatible(self, request: Request, route: str, nested: bool) -> Response:
+        task = self.default_task
+        if task is None:
+            return _error(404, "not_found", f"POST {route}: this server has no default task (start it with --default-task TASK)")
+        shape: dict[str, Any] = {}
+
+        async def read() -> ClassifyRequest:
+            req, shape["batch"], shape["answer"] = read_request(await self._read_body(request), task)
+            return req
+
+        outcome = await self.core(read, f"POST {route}", request.headers.get(TIMEOUT_HEADER))
+        if isinstance(outcome, HTTPError):
+            return _error(outcome.status, outcome.reason, outcome.message)
+        preds = predictions(outcome, shape["answer"])
+        return _json(preds if nested or shape["batch"] else preds[0], headers=self._headers)
 
     async def _read_body(self, request: Request) -> bytes:
         _check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))
