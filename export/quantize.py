@@ -378,6 +378,8 @@ def int8_graph(
     calibration = None
     if options.smooth_alpha is not None or options.method == "static":
         calibration = calibration_inputs(model, max_seq_len, options.calibration, encoder)
+        for feed in calibration.feeds:  # a live graph's task tables (WithTables) are inputs too
+            feed.update(getattr(fp32, "tables", {}))
     graph = src
     if options.smooth_alpha is not None:
         assert calibration is not None
@@ -398,7 +400,7 @@ def int8_graph(
             for _, _, feeds in c
         ]
         cases += [{**feeds, "task_id": ids} for ids, (_, _, feeds) in mixed_cases(model, max_seq_len)]
-        smoothed = make_session(graph, device="cpu")
+        smoothed = getattr(fp32, "like", lambda s: s)(make_session(graph, device="cpu"))
         record["smoothing"]["fp32_max_abs_diff"] = check_smoothed(smoothed, fp32, cases)
         del smoothed
     record["quantization"] = quantize_graph(graph, dst, options, backbone, calibration)
