@@ -79,15 +79,17 @@ def start_fusionserve(
     threads: int | None = None,
     grpc_port: int | None = None,
     max_queued: int | None = None,
+    cwd: Path = ROOT,
 ) -> Server:
     """``threads``: ONNX Runtime threads per replica (None: the server's default, CPUs / replicas); ``grpc_port``:
-    Serve's gRPC ingress there too; ``max_queued``: the replica's queue limit (None: the server's default)."""
+    Serve's gRPC ingress there too; ``max_queued``: the replica's queue limit (None: the server's default); ``cwd``:
+    where it runs (first on its path: another checkout's package there runs instead of this one's)."""
     log = logs / f"serve-{ingress}{'-q' + str(max_queued) if max_queued else ''}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     args = [str(artifact), str(port), ingress, str(replicas), device, str(max_batch_size), str(threads or 0), str(grpc_port or 0),
             str(max_queued or 0)]  # fmt: skip
     with log.open("w") as fh:
-        proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen([sys.executable, "-c", _SERVE, *args], stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     return Server(ingress, proc, port, log, _wait(proc, port, "/v1/tasks", log))
 
 

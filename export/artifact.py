@@ -19,6 +19,7 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
 from fusionserve.serving.runtime import make_session
+from fusionserve.serving.tokenize import Encoder
 
 from .build import Dropped
 from .model import FusionModel
@@ -101,11 +102,23 @@ def _check_options(precision: str, opset: int, out: Path, force: bool) -> None:
         raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
 
 
+def _check_out_holds_no_input(spec: ModelSpec, out: Path) -> None:
+    """``--out`` is replaced (with --force) by the artifact: it must not be, or hold, the spec or a folder it reads.
+    Raises FusionServeError naming both."""
+    for task in spec.tasks.values():
+        for path in (spec.path, spec.base_model, *spec.adapters.values(), task.head, task.fusion):
+            if path is not None and path.is_relative_to(out):
+                raise FusionServeError(
+                    f"--out {out} holds {path}, which the spec reads; the export would replace it: choose another folder"
+                )
+
+
 def _built(
-    spec_path: str | Path, tasks: Sequence[str] | None, dropped: Dropped | None, max_seq_len: int | None
+    spec_path: str | Path, tasks: Sequence[str] | None, dropped: Dropped | None, max_seq_len: int | None, out: Path
 ) -> tuple[ModelSpec, FusionModel, Any, int]:
     """(spec, folded model, base tokenizer, token limit): the limit asked for, checked, or the tokenizer's."""
     spec = load_spec(spec_path)
+    _check_out_holds_no_input(spec, out)
     if tasks:
         spec = spec.select(tasks)
     from .build import build_model
@@ -145,6 +158,7 @@ def _validated_graph(
     step: _Steps,
     grid: str,
     int8: Int8Options,
+    encoder: Any = None,
 ) -> tuple[Any, FusionReport, Any, dict[str, Any] | None]:
     """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 record).
     int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph.
@@ -167,7 +181,7 @@ def _validated_graph(
     if precision != "int8":
         return session, report, parity, None
     step("quantizing to int8")
-    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress)
+    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress, encoder)
     step(f"int8 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
     return session, report, parity, record
 
@@ -212,15 +226,21 @@ def export_artifact(
     if parity_grid not in GRIDS:
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     step = _Steps(progress, 8 if precision == "int8" else 6)
-    spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len)
+    try:
+        spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
+    except BaseException:  # the bar ends before the error is printed, not after it when the process exits
+        step.bar.close()
+        raise
     step("model built")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
+        # int8's calibration file is tokenized as serving will tokenize
+        encoder = Encoder(tok.backend_tokenizer, max_seq_len, str(tok.pad_token)) if int8.calibration else None
         session, report, parity, int8_record = _validated_graph(
-            work, model, precision, opset, max_seq_len, step, parity_grid, int8
+            work, model, precision, opset, max_seq_len, step, parity_grid, int8, encoder
         )
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():

@@ -18,6 +18,10 @@ from .weights import check_shape, hidden_size, model_type, read_config, read_wei
 
 _HEAD_KNOWN = {"head_type", "num_labels", "layers", "activation_function", "label2id", "use_pooler", "bias", "dropout_prob"}
 _HEAD_KEY = re.compile(r"^heads\.(.+)\.(\d+)\.(weight|bias)$")
+# Labels of one head. The graph pads every task's logits to the widest head's labels, so one wide head costs every
+# row of every task: a head of 10^6 labels took 45 s and 4.7 GB to export. Classification heads have tens to
+# thousands of labels; 100,000 is far past them.
+MAX_LABELS = 100_000
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,7 @@ def load_head(folder: Path) -> HeadCheckpoint:
     n_layers, n_labels = cfg.get("layers", 2), cfg.get("num_labels")
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
         raise CheckpointError(f"{cfg_path}: field 'config.layers' = {n_layers!r} must be an integer >= 1")
-    if not isinstance(n_labels, int) or isinstance(n_labels, bool) or n_labels < 1:
-        raise CheckpointError(f"{cfg_path}: field 'config.num_labels' = {n_labels!r} must be an integer >= 1")
+    _check_num_labels(n_labels, cfg_path)
     act = cfg.get("activation_function")
     act = str(act).lower() if act else None
     if act is not None and act not in ACTIVATIONS:
@@ -90,6 +93,18 @@ def load_head(folder: Path) -> HeadCheckpoint:
         name=str(data.get("name") or folder.name), folder=folder, hidden_size=hidden, labels=labels,
         linears=tuple(linears), activation=act, use_pooler=bool(cfg.get("use_pooler", False)), model_type=model_type(data),
     )  # fmt: skip
+
+
+def _check_num_labels(n_labels: Any, cfg_path: Path) -> None:
+    """Raises CheckpointError unless ``n_labels`` is a whole number from 1 to MAX_LABELS."""
+    if not isinstance(n_labels, int) or isinstance(n_labels, bool) or n_labels < 1:
+        raise CheckpointError(f"{cfg_path}: field 'config.num_labels' = {n_labels!r} must be an integer >= 1")
+    if n_labels > MAX_LABELS:
+        raise CheckpointError(
+            f"{cfg_path}: field 'config.num_labels' = {n_labels:,} is over the limit of {MAX_LABELS:,} labels per head "
+            f"(every task's logits are padded to the widest head: {n_labels:,} labels cost {4 * n_labels:,} bytes per "
+            "row of every task, and the head's weights hidden x labels)"
+        )
 
 
 def _labels(label2id: Any, n_labels: int, path: Path) -> tuple[str, ...]:

@@ -29,6 +29,10 @@ TaskKind = Literal["fusion", "adapter", "head"]
 _TOP_KEYS = {"base_model", "adapters", "tasks", "max_seq_len"}
 _TASK_KEYS = {"fusion", "adapter", "head"}
 PACKAGE_PREFIX = "pkg:"
+# Tasks one spec may serve. Every task's head runs on every row of the graph and each is checked at export (about a
+# second per task on the tiny test model, 2 cores): 10,000 tasks ran for hours with no end in sight. AdapterFusion
+# setups serve tens of tasks; a thousand is far past any, and still exports.
+MAX_TASKS = 1000
 # How to install a package a spec may name; the default is `pip install <name with hyphens>`.
 _INSTALL_HINTS = {
     # --no-deps: its declared dependencies pull transformers 5, which the adapters library (and this code) cannot use
@@ -110,10 +114,19 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 def _folder(root: Path, value: Any, where: str, spec_path: Path) -> Path:
     if not isinstance(value, str) or not value:
         raise SpecError(f"{spec_path}: {where} must be a non-empty path string, got {value!r}")
-    folder = (root / value).resolve()
-    if not folder.is_dir():
-        raise SpecError(f"{spec_path}: {where} = '{value}' is not a folder (looked at {folder})")
+    try:
+        folder = (root / value).resolve()
+        if not folder.is_dir():
+            raise SpecError(f"{spec_path}: {where} = '{value}' is not a folder (looked at {folder})")
+    except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError up to Python 3.12, OSError ELOOP after)
+        raise SpecError(f"{spec_path}: {where} = '{value}' cannot be followed: {_why(exc)}") from None
     return folder
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return str(exc.strerror or exc)
+    return "a symlink loop" if "loop" in str(exc).lower() else str(exc)
 
 
 def package_folder(value: str, spec_path: Path) -> Path:
@@ -165,6 +178,11 @@ def load_spec(path: str | Path) -> ModelSpec:
     raw_tasks = data["tasks"]
     if not isinstance(raw_tasks, dict):
         raise SpecError(f"{spec_path}: 'tasks' must map task names to settings, got {type(raw_tasks).__name__}")
+    if len(raw_tasks) > MAX_TASKS:
+        raise SpecError(
+            f"{spec_path}: 'tasks' has {len(raw_tasks):,} tasks; one artifact serves at most {MAX_TASKS:,} "
+            "(each task's head runs on every row and is checked at export): split them over several specs"
+        )
     tasks: dict[str, TaskSpec] = {}
     for name, body in raw_tasks.items():
         name = str(name)

@@ -9,6 +9,7 @@ refusal is an InputError of one line naming the file (the CLI prints it and exit
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 from collections.abc import Iterable, Iterator
@@ -61,8 +62,9 @@ def check_output(path: Path, inputs: Iterable[Path] = (), what: str = "--output"
     existed = path.exists()
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666))
-    except OSError as exc:
-        raise InputError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    except OSError as exc:  # ENOENT with the folder there: a file system that makes no files (/proc)
+        why = f"no file can be created in {parent}" if exc.errno == errno.ENOENT else exc.strerror or exc
+        raise InputError(f"cannot write {what} {path}: {why}") from None
     if not existed:
         path.unlink(missing_ok=True)
 

@@ -61,18 +61,10 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
-def _dies_with_its_parent() -> str:
-    """The command that starts HAProxy with a parent-death signal (util-linux ``setpriv --pdeathsig``), or nothing
-    where there is no ``setpriv``: HAProxy is the child of Serve's HAProxy manager, and when the manager died (its
-    node's raylet gone, the server killed) HAProxy was left holding the port, answering 500 to every request, until a
-    person killed it."""
-    setpriv = shutil.which("setpriv")
-    return f"{shlex.quote(setpriv)} --pdeathsig KILL -- " if setpriv else ""
-
-
-def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
+def write_wrapper(folder: Path, command: list[str], body_timeout_s: float) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
-    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``haproxy``."""
+    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``command`` (HAProxy,
+    or a launcher of it) with the arguments it was given."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
     (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
@@ -95,7 +87,7 @@ def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
         f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
         "fi\n"
-        f'exec {_dies_with_its_parent()}{shlex.quote(haproxy)} "$@"\n'
+        f'exec {shlex.join(command)} "$@"\n'
     )
-    wrapper.chmod(0o755)
+    wrapper.chmod(0o700)
     return wrapper

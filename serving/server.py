@@ -93,16 +93,8 @@ def start(
     cluster without ``cfg.replace``, an unusable artifact or device, a loopback --host on a cluster of several
     machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir, _deployed
-    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
-        raise ModuleNotFoundError("No module named 'ray'", name="ray")
-    # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
-    # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
-    artifact = _usable_artifact(cfg)
-    reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
-    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    artifact, held = _check_before_ray(cfg)
     address = os.environ.get("RAY_ADDRESS")
-    if not address:  # a Ray of our own runs no Serve yet: whatever holds a port is not ours to share
-        _refuse_held(cfg.host, held)
     _ingress_dir = str(run_folder or new_run_folder())
     _set_ray_env(cfg, Path(_ingress_dir), local=not address)
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
@@ -137,16 +129,24 @@ def start(
     return url
 
 
-def _usable_artifact(cfg: ServerConfig) -> Any:
-    """The artifact, its graph loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt,
-    yet with the manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout;
-    and the device checked. Raises FusionServeError."""
+def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
+    """What fails before Ray starts: no Ray, a missing or unreadable artifact, a missing CUDA provider, a taken port
+    (joining a cluster, a taken port is judged once Serve's own ports there are known; how many GPUs there are, Ray
+    tells). Returns the artifact and the ports held (port -> holder)."""
+    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
     artifact = load_artifact(cfg.artifact, verify=False)
+    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
+    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
     make_session(
         artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     resolve_device(cfg.app.device)
-    return artifact
+    reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
+    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    if not os.environ.get("RAY_ADDRESS"):  # a Ray of our own runs no Serve yet: whatever holds a port is not ours
+        _refuse_held(cfg.host, held)
+    return artifact, held
 
 
 def _set_ray_env(cfg: ServerConfig, folder: Path, local: bool) -> None:
@@ -248,8 +248,9 @@ def _delete_if_ours(serve: Any) -> None:
 
 
 def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
-    """Return once the port answers the application's own route: the replicas report ready before the ingress
-    (HAProxy) has its routes, and until then it answers 404. Raises FusionServeError after ``timeout_s``."""
+    """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
+    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises
+    FusionServeError after ``timeout_s``."""
     import urllib.error
     import urllib.request
 
@@ -261,6 +262,10 @@ def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
             with urllib.request.urlopen(probe, timeout=5) as resp:
                 if resp.status == 200:
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:  # the application answered: it asks for its API key
+                return
+            last = str(exc)
         except (urllib.error.URLError, OSError) as exc:
             last = str(exc)
         time.sleep(0.2)

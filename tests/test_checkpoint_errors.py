@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fusionserve.errors import CheckpointError, SpecError
+from fusionserve.export.head import MAX_LABELS
 from tests.checkpoint_helpers import (
     WEIGHT_FILES,
     _all_of,
@@ -286,4 +287,16 @@ def test_base_model_of_an_unsupported_architecture(root):
 def test_base_model_config_refused_with_file_field_value_and_what_is_allowed(root, field, value, allowed):
     _edit_json(root / "base/config.json", lambda d: d.update({field: value}))
     with pytest.raises(CheckpointError, match=_all_of(root / "base/config.json", f"field '{field}' = {value!r}", allowed)):
+        _build(root)
+
+
+def test_a_head_over_the_label_limit_is_refused(root):
+    """Every task's logits are padded to the widest head's labels: one head of 10^6 labels took 45 s and 4.7 GB."""
+    folder = root / "heads/head_only"
+    weights = load_file(folder / "model_head.safetensors")
+    n = MAX_LABELS + 1
+    weights["heads.head_only.4.weight"], weights["heads.head_only.4.bias"] = torch.zeros(n, 32), torch.zeros(n)
+    save_file(weights, folder / "model_head.safetensors")  # a real head of that width: it loads on the old code
+    _set_config(folder / "head_config.json", num_labels=n, label2id=None)
+    with pytest.raises(CheckpointError, match=_all_of(folder / "head_config.json", "100,001 is over the limit of 100,000")):
         _build(root)

@@ -159,6 +159,14 @@ def test_existing_out_needs_force(built_st, tmp_path):
     assert list(tmp_path.iterdir()) == [out]  # no temporary folder left beside it
 
 
+@pytest.mark.parametrize("out", [".", "heads", "heads/rte", "model.yaml"])
+def test_out_that_holds_the_spec_or_its_folders_is_refused_even_with_force(root, out):
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(FusionServeError, match="which the spec reads; the export would replace it: choose another folder"):
+        export_artifact(root / "model.yaml", root / out, force=True, progress=False)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing deleted
+
+
 def test_existing_file_as_out_needs_force(built_st, tmp_path):
     out = tmp_path / "artifact"
     out.write_text("a file")

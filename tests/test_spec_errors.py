@@ -10,7 +10,7 @@ import yaml
 
 from fusionserve.errors import CheckpointError, SpecError
 from fusionserve.export.build import build_model
-from fusionserve.export.spec import load_spec
+from fusionserve.export.spec import MAX_TASKS, load_spec
 from tests.adapterhub_models import SENTENCES
 from tests.checkpoint_helpers import _all_of, _build, _edit_spec
 
@@ -139,3 +139,21 @@ def test_unknown_task_at_forward(built_st):
         model.classify(batch["input_ids"], batch["attention_mask"], task="sentiment")
     with pytest.raises(SpecError, match=_all_of("'alpha_only'", "no fusion")):
         model.classify(batch["input_ids"], batch["attention_mask"], task="alpha_only", return_fusion_activations=True)
+
+
+def test_a_symlink_loop_as_a_folder_is_a_spec_error(root):
+    (root / "loop_a").symlink_to(root / "loop_b")
+    (root / "loop_b").symlink_to(root / "loop_a")
+    path = _edit_spec(root, lambda d: d["adapters"].update(alpha="loop_a"))
+    with pytest.raises(SpecError, match=_all_of(path, "adapters.alpha = 'loop_a' cannot be followed: a symlink loop")):
+        load_spec(path)
+
+
+def test_a_spec_over_the_task_limit_is_refused_before_anything_loads(root):
+    def many(data):
+        head = data["tasks"]["head_only"]["head"]
+        data["tasks"] = {f"t{i}": {"head": head} for i in range(MAX_TASKS + 1)}
+
+    path = _edit_spec(root, many)
+    with pytest.raises(SpecError, match=_all_of(path, "'tasks' has 1,001 tasks; one artifact serves at most 1,000")):
+        load_spec(path)
