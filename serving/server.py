@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
 
-from .artifact import MANIFEST, load_artifact, sha256
+from .artifact import MANIFEST, Artifact, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
 from .grpc_ingress import transport_env
@@ -94,13 +94,7 @@ def start(
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
     # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
     # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
-    artifact = load_artifact(cfg.artifact, verify=False)
-    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
-    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
-    make_session(
-        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    )
-    resolve_device(cfg.app.device)
+    artifact = _usable_artifact(cfg)
     reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
     held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
     address = os.environ.get("RAY_ADDRESS")
@@ -141,6 +135,18 @@ def start(
         _wait_all_routed(Path(_ingress_dir), opts.min_replicas or opts.replicas, say)
         record(Path(_ingress_dir), tree=descendants(os.getpid()))  # what a next start reaps if this run is killed
     return url
+
+
+def _usable_artifact(cfg: ServerConfig) -> Artifact:
+    """The artifact, its graph loaded once as predict loads it, and the device checked: a model.onnx ONNX Runtime
+    cannot read (corrupt, yet with the manifest's checksum) is one line before Ray starts, not a replica's traceback
+    from Ray after its start-up timeout. Raises ArtifactError, FusionServeError or DeviceError."""
+    artifact = load_artifact(cfg.artifact, verify=False)
+    make_session(
+        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    resolve_device(cfg.app.device)
+    return artifact
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
