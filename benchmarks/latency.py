@@ -14,9 +14,12 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
   the FFN output GEMMs left in fp32)
 - ``fusion N=8 int8 every GEMM (ORT)``: the same with the FFN output GEMMs quantized too (the default before; what
   leaving them in fp32 costs in time)
-- ``fusion N=8 int8 per-tensor (ORT)``: the shipped options with one scale per weight tensor
-- the last two are measured, not shipped; their gate is switched off here: benchmarks/int8.py measures what they do
-  to labels
+- ``fusion N=8 int8 every GEMM smoothed (ORT)``: the same after SmoothQuant (export/smooth.py: a per-channel Mul
+  before QKV, the FFN's GEMMs, the attention output's inverse folded into V)
+- ``fusion N=8 int8 static QDQ (ORT)`` / ``... smoothed``: every MatMul quantized statically (QDQ, calibrated scales,
+  per-channel weights; no int8 Attention in ONNX Runtime's QDQ), without and with smoothing
+- all but the first are measured, not necessarily shipped; their gate is switched off here: benchmarks/int8.py
+  measures what they do to labels (INT8_VARIANTS names them)
 - ``fusionserve eager N``: the same folded model in PyTorch eager
 - ``AdapterHub eager N``: AdapterHub's own model (BertAdapterModel, RobertaAdapterModel) with Fuse active, PyTorch eager
 
@@ -29,7 +32,7 @@ variants make a round of a base-sized geometry at batch 16 take minutes, and a f
 The int8 graphs are the fp32 N=8 artifact's validated graph quantized and gated as ``export --precision int8`` does
 (``models.int8_copy``, which makes one again when its options changed). ``--int8`` times only plain (ORT), fusion
 N=8 (ORT), the three int8 graphs and AdapterHub eager N=8, and records them in their own section
-(results/latency_int8.*), leaving the full table as it was.
+(results/latency_int8_smooth.*), leaving the full table as it was.
 
 Writes benchmarks/results/latency.json, benchmarks/results/latency.png and the table in benchmarks/RESULTS.md.
 """
@@ -69,18 +72,34 @@ def _artifact(model: BenchModel, out: Path) -> Path:
     return out
 
 
-def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path]:
-    """The shipped int8 (per-channel, the FFN output GEMMs fp32, default gate), the same with every GEMM quantized (the
-    default before: what keeping the FFN output GEMMs in fp32 costs) and per-tensor (gate off: only timed here)."""
-    from fusionserve.export.quantize import Int8Gate, Int8Options
+INT8_VARIANTS = {  # artifact key -> the variant's name in the tables (fusion N=8 ... (ORT))
+    "n8-int8": "int8",
+    "n8-int8-all": "int8 every GEMM",
+    "n8-int8-all-sm": "int8 every GEMM smoothed",
+    "n8-int8-static": "int8 static QDQ",
+    "n8-int8-static-sm": "int8 static QDQ smoothed",
+}
 
-    per_tensor = Int8Options(per_channel=False, gate=Int8Gate(0.0, 1.0))
-    every_gemm = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0))
-    return {
-        "n8-int8": int8_copy(fp32, work / "n8-int8-art", model.spec),
-        "n8-int8-all": int8_copy(fp32, work / "n8-int8-all-art", model.spec, every_gemm),
-        "n8-int8-pt": int8_copy(fp32, work / "n8-int8-pt-art", model.spec, per_tensor),
+
+def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path]:
+    """The shipped int8 (``DEFAULT_OPTIONS``), then every GEMM quantized: dynamic without and with smoothing, static
+    QDQ (per-channel weights, calibrated) without and with smoothing. Their gate is off (thresholds 0 and 1): only
+    timed here, benchmarks/int8.py measures what they do to labels. Calibration: the validation grid (the weights
+    are random; timings do not depend on the scales)."""
+    from dataclasses import replace
+
+    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
+
+    every = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0), smooth_alpha=None)
+    alpha = DEFAULT_OPTIONS.smooth_alpha if DEFAULT_OPTIONS.smooth_alpha is not None else 0.5
+    options = {
+        "n8-int8": DEFAULT_OPTIONS,
+        "n8-int8-all": every,
+        "n8-int8-all-sm": replace(every, smooth_alpha=alpha),
+        "n8-int8-static": replace(every, method="static"),
+        "n8-int8-static-sm": replace(every, method="static", smooth_alpha=alpha),
     }
+    return {key: int8_copy(fp32, work / f"{key}-art", model.spec, o) for key, o in options.items()}
 
 
 def _ort(path: Path, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
@@ -176,14 +195,16 @@ def run_geometry(
                 variants[f"AdapterHub eager N={n}"] = _eager_adapterhub(m.reference, feeds)
         if not only_int8:
             variants["fusion N=8, 4 tasks (ORT)"] = _ort(arts["n8-4tasks"], feeds3)
-        variants["fusion N=8 int8 (ORT)"] = _ort(arts["n8-int8"], feeds)
-        variants["fusion N=8 int8 every GEMM (ORT)"] = _ort(arts["n8-int8-all"], feeds)
-        variants["fusion N=8 int8 per-tensor (ORT)"] = _ort(arts["n8-int8-pt"], feeds)
+        for key, what in INT8_VARIANTS.items():
+            variants[f"fusion N=8 {what} (ORT)"] = _ort(arts[key], feeds)
         # one forward of BERT-base at batch 16 takes seconds here: fewer rounds for bigger work
         work_units = batch * seq * (4 if name in BASE_SIZED else 1)
         rounds = max(5, int(rounds_scale * (40 if work_units <= 512 else 12 if work_units <= 4096 else 6)))
         print(f"-- {name}, batch {batch}, seq {seq}: {len(variants)} variants x {rounds} rounds", file=sys.stderr)
+        load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
         result["batches"][str(batch)] = summary_ms(time_round_robin(variants, rounds, progress=True))
+        load = f"{load_before} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} after"
+        result.setdefault("load_average", {})[str(batch)] = load
     return result
 
 
@@ -196,10 +217,11 @@ def ratios(res: dict) -> dict[str, dict[str, float]]:
         pairs |= {f"AdapterHub eager N={n} / fusion N={n}": (f"AdapterHub eager N={n}", f"fusion N={n} (ORT)") for n in N_VALUES}
         pairs["4-task graph / 1-task graph (N=8)"] = ("fusion N=8, 4 tasks (ORT)", "fusion N=8 (ORT)")
         pairs["plain PyTorch eager / plain ORT"] = ("plain (PyTorch eager)", "plain (ORT)")
-        pairs["fusion N=8 fp32 / int8"] = ("fusion N=8 (ORT)", "fusion N=8 int8 (ORT)")
-        pairs["fusion N=8 fp32 / int8 every GEMM"] = ("fusion N=8 (ORT)", "fusion N=8 int8 every GEMM (ORT)")
-        pairs["fusion N=8 fp32 / int8 per-tensor"] = ("fusion N=8 (ORT)", "fusion N=8 int8 per-tensor (ORT)")
-        pairs["AdapterHub eager N=8 / fusion N=8 int8"] = ("AdapterHub eager N=8", "fusion N=8 int8 (ORT)")
+        pairs |= {f"fusion N=8 fp32 / {w}": ("fusion N=8 (ORT)", f"fusion N=8 {w} (ORT)") for w in INT8_VARIANTS.values()}
+        pairs |= {
+            f"AdapterHub eager N=8 / fusion N=8 {w}": ("AdapterHub eager N=8", f"fusion N=8 {w} (ORT)")
+            for w in INT8_VARIANTS.values()
+        }
         out[batch] = {k: row[a]["median_ms"] / row[b]["median_ms"] for k, (a, b) in pairs.items() if a in row and b in row}
     return out
 
@@ -207,7 +229,7 @@ def ratios(res: dict) -> dict[str, dict[str, float]]:
 def _machine_line(m: dict[str, str]) -> str:
     return (
         f"{m['cpu']}, {m['cores']} cores, {THREADS} threads per run; {m['python']}, onnxruntime {m['onnxruntime']}, "
-        f"torch {m['torch']}; {m['date']}"
+        f"torch {m['torch']}; {m['date']}" + (f"; ISA flags: {m['isa']}" if "isa" in m else "")
     )
 
 
@@ -237,7 +259,11 @@ def markdown(results: list[dict], commands: list[str]) -> str:
         for key in rat[batches[0]]:
             lines.append(f"| {key} | " + " | ".join(f"{rat[b][key]:.2f}x" for b in batches) + " |")
         sizes = ", ".join(f"{k} {v} MB" for k, v in res["artifact_mb"].items())
-        lines += ["", f"Artifact sizes (model.onnx): {sizes}.", ""]
+        lines += ["", f"Artifact sizes (model.onnx): {sizes}."]
+        if "load_average" in res:  # a machine shared with other jobs: the load around each batch's rounds
+            loads = "; ".join(f"batch {b}: {v}" for b, v in res["load_average"].items())
+            lines += ["", f"Load average (1, 5, 15 min) around the timing: {loads}."]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -313,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     key, title, draw = (
-        ("latency_int8", "Latency: int8 against fp32 (in-process)", plot_bars)
+        # its own section since issue 28 (smoothing, static QDQ); the AMD EPYC one before it stays as it was measured
+        ("latency_int8_smooth", "Latency: int8 variants against fp32 (in-process, issue 28)", plot_bars)
         if args.int8
         else ("latency", "Latency (in-process)", plot)
     )

@@ -132,6 +132,7 @@ def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) 
     from fusionserve.export.spec import load_spec
     from fusionserve.serving.artifact import load_artifact, write_manifest
     from fusionserve.serving.runtime import make_session
+    from fusionserve.serving.tokenize import Encoder
 
     options = options or DEFAULT_OPTIONS
     if (out / "manifest.json").is_file():
@@ -148,7 +149,9 @@ def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) 
     shutil.copytree(fp32, work)
     (work / "manifest.json").unlink()
     session = make_session(work / "model.onnx", device="cpu")
-    _, record = int8_graph(work, session, model, manifest["max_seq_len"], options, progress=True)  # type: ignore[arg-type]
+    tok = manifest["tokenizer"]
+    encoder = Encoder.from_file(work / tok["file"], tok["max_length"], tok["pad_token"])  # for a calibration file
+    _, record = int8_graph(work, session, model, manifest["max_seq_len"], options, True, encoder)  # type: ignore[arg-type]
     manifest = json.loads(json.dumps(manifest))  # a copy
     manifest["precision"], manifest["int8"] = "int8", record
     write_manifest(work, manifest)

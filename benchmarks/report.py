@@ -14,13 +14,18 @@ from typing import Any
 RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")  # what decides int8's speed on x86
+
+
 def machine() -> dict[str, str]:
-    cpu = platform.processor() or "unknown CPU"
+    """The CPU (model name, the int8-relevant ISA flags it has), cores, versions, date and the load average now."""
+    cpu, flags = platform.processor() or "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or "unknown CPU"):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     versions = {}
@@ -34,6 +39,8 @@ def machine() -> dict[str, str]:
         "cores": str(len(os.sched_getaffinity(0))),
         "python": f"Python {platform.python_version()}",
         "date": dt.date.today().isoformat(),
+        "isa": " ".join(f for f in ISA_FLAGS if f in flags) or "-",
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         **versions,
     }
 

@@ -7,11 +7,14 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import InputError
-from fusionserve.export.gemm_roles import DEFAULT_FP32_ROLES, ROLES  # no torch, no onnx: the parser needs no export extra
+
+# no torch, no onnx: the parser needs no export extra
+from fusionserve.export.gemm_roles import DEFAULT_FP32_ROLES, DEFAULT_METHOD, DEFAULT_SMOOTH_ALPHA, METHODS, ROLES
 from fusionserve.scoring.files import MAX_ROW_BYTES  # no pyarrow, no onnxruntime: the parser needs no extra
 from fusionserve.serving.artifact import is_artifact, load_artifact, render_int8, render_manifest
 from fusionserve.serving.predictions import TextInput
@@ -50,30 +53,73 @@ def add_export(sub: Any) -> None:
 
 
 def add_int8_fp32(parser: Any) -> None:
+    """The int8 options of ``export`` and ``prune``: the GEMMs left in fp32, smoothing, the method, the calibration."""
     parser.add_argument(
         "--int8-fp32",
         nargs="+",
         metavar="ROLE",
         help="with --precision int8: the backbone GEMMs left in fp32, in every layer (ROLE) or one (ROLE:LAYER, -1 the "
-        f"last); roles: {', '.join(ROLES)}; 'none' quantizes them all: faster, less close to fp32 (see the "
-        f"docs' Export guide, Precisions). Default: {', '.join(DEFAULT_FP32_ROLES)}",
+        f"last); roles: {', '.join(ROLES)}; 'none' quantizes them all: faster, less close to fp32 (docs/guides/int8.md). "
+        f"Default: {', '.join(DEFAULT_FP32_ROLES) or 'none'}",
+    )
+    parser.add_argument(
+        "--int8-smooth",
+        metavar="ALPHA",
+        help="with --precision int8: SmoothQuant's alpha in [0, 1] (move the activations' outlier channels into the "
+        f"weights before quantizing), or 'none'. Default: {DEFAULT_SMOOTH_ALPHA if DEFAULT_SMOOTH_ALPHA is not None else 'none'}",
+    )
+    parser.add_argument(
+        "--int8-method",
+        choices=list(METHODS),
+        help="with --precision int8: dynamic (activation scales per batch at run time) or static (QDQ, scales fixed "
+        f"by the calibration rows). Default: {DEFAULT_METHOD}",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        metavar="FILE",
+        help='with --precision int8: JSONL, one {"text": ..., "text_pair": ...} per line, the texts smoothing and '
+        "static quantization are calibrated on (default: the validation grid's random token ids)",
     )
 
 
 def int8_options(args: argparse.Namespace) -> Any:
-    """The Int8Options of ``--int8-fp32`` (the defaults when it is not given). Raises InputError for an unknown
-    role, or for the option without --precision int8."""
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Options
+    """The Int8Options of the int8 flags (the defaults where none is given). Raises InputError for an unknown role, an
+    alpha outside [0, 1], a calibration file that is empty or not texts (naming it), or a flag without --precision int8."""
+    from fusionserve.export.quantize import DEFAULT_OPTIONS
 
-    if args.int8_fp32 is None:
+    given = {f: getattr(args, f.replace("-", "_"), None) for f in ("int8-fp32", "int8-smooth", "int8-method", "calibration")}
+    if all(v is None for v in given.values()):
         return DEFAULT_OPTIONS
     if args.precision != "int8":
-        raise InputError(f"--int8-fp32 is for --precision int8 (this is --precision {args.precision})")
-    roles = () if args.int8_fp32 == ["none"] else tuple(args.int8_fp32)
+        flag = next(f for f, v in given.items() if v is not None)
+        raise InputError(f"--{flag} is for --precision int8 (this is --precision {args.precision})")
+    changes: dict[str, Any] = {}
+    if args.int8_fp32 is not None:
+        changes["fp32_roles"] = () if args.int8_fp32 == ["none"] else tuple(args.int8_fp32)
+    if args.int8_smooth is not None:
+        changes["smooth_alpha"] = None if args.int8_smooth == "none" else _alpha(args.int8_smooth)
+    if args.int8_method is not None:
+        changes["method"] = args.int8_method
+    if args.calibration is not None:
+        from fusionserve.export.calibration import read_calibration
+
+        read_calibration(args.calibration)  # refused now, not after minutes of export
+        changes["calibration"] = str(args.calibration)
     try:
-        return Int8Options(fp32_roles=roles)
+        return replace(DEFAULT_OPTIONS, **changes)
     except ValueError as exc:
         raise InputError(f"--int8-fp32: {exc}".replace("fp32_roles: ", "")) from None
+
+
+def _alpha(text: str) -> float:
+    try:
+        alpha = float(text)
+    except ValueError:
+        alpha = -1.0
+    if not 0.0 <= alpha <= 1.0:
+        raise InputError(f"--int8-smooth: expected a number in [0, 1] or 'none', got '{text}'")
+    return alpha
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
 from fusionserve.serving.runtime import make_session
+from fusionserve.serving.tokenize import Encoder
 
 from .build import Dropped
 from .model import FusionModel
@@ -157,6 +158,7 @@ def _validated_graph(
     step: _Steps,
     grid: str,
     int8: Int8Options,
+    encoder: Any = None,
 ) -> tuple[Any, FusionReport, Any, dict[str, Any] | None]:
     """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 record).
     int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph.
@@ -179,7 +181,7 @@ def _validated_graph(
     if precision != "int8":
         return session, report, parity, None
     step("quantizing to int8")
-    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress)
+    session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress, encoder)
     step(f"int8 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
     return session, report, parity, record
 
@@ -235,8 +237,10 @@ def export_artifact(
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     work.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be shared
     try:
+        # int8's calibration file is tokenized as serving will tokenize
+        encoder = Encoder(tok.backend_tokenizer, max_seq_len, str(tok.pad_token)) if int8.calibration else None
         session, report, parity, int8_record = _validated_graph(
-            work, model, precision, opset, max_seq_len, step, parity_grid, int8
+            work, model, precision, opset, max_seq_len, step, parity_grid, int8, encoder
         )
         tok.save_pretrained(str(work))
         if not (work / TOKENIZER_FILE).is_file():

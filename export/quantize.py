@@ -23,7 +23,6 @@ breaks its threshold is collected, then one error lists them all and no artifact
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from collections import Counter
@@ -35,32 +34,14 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .gemm_roles import DEFAULT_FP32_ROLES, ROLES
+from .calibration import Calibration, calibration_inputs, with_types
+from .gemm_roles import DEFAULT_FP32_ROLES, DEFAULT_METHOD, DEFAULT_SMOOTH_ALPHA, DEFAULT_SMOOTH_ROLES, METHODS, ROLES
+from .int8_describe import ADAPTER_NODES, KEPT_FP32, QUANTIZED_OPS, describe
 from .model import FusionModel
 from .onnx_export import ExportError
 from .validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs, mixed_cases
 
-QUANTIZED_OPS = ("MatMul", "Attention")
-ADAPTER_NODES = "/blocks."  # name prefix of the adapter blocks' nodes in the exported graph
-# op type in the int8 graph -> why it is (still) floating point
-KEPT_FP32 = {  # what stays floating point -> (what the manifest calls it, why)
-    "EmbedLayerNormalization": ("embeddings", "a table lookup: nothing to gain"),
-    "SkipLayerNormalization": ("LayerNorm", "no int8 form"),
-    "LayerNormalization": ("LayerNorm", "no int8 form"),
-    "Softmax": ("Softmax", "the fusion weights: no int8 form"),
-    "Gemm": ("heads", "the classification heads run on one token per row: nothing to gain"),
-    "task MatMul": (
-        "MatMul without stored weights",
-        "weights picked by the task index at run time (a multi-task graph's fusion matrices) or made in the graph (the "
-        "0/1 matrix placing fusion weights in their output columns): only stored weights are quantized",
-    ),
-    "adapter MatMul": ("adapter path", "left in fp32 as asked (adapter_path=False)"),
-    "backbone MatMul": (
-        "backbone GEMMs",
-        "left in fp32 (by default the FFN output GEMM, whose input has outliers: DEFAULT_FP32_ROLES)",
-    ),
-    "Attention": ("backbone attention (QKV)", "left in fp32"),
-}
+__all__ = ["KEPT_FP32", "describe"]  # re-exported: their home is int8_describe
 
 
 class Int8GateError(ParityError):
@@ -101,8 +82,21 @@ class Int8Options:
     fp32_roles: tuple[str, ...] = DEFAULT_FP32_ROLES
     fp32_layers: tuple[int, ...] = ()  # backbone layers left wholly in fp32 (0 the first, -1 the last)
     gate: Int8Gate = field(default_factory=Int8Gate)
+    # "dynamic": activation scales computed per batch at run time; "static": QDQ, scales fixed by the calibration rows
+    method: str = DEFAULT_METHOD
+    # SmoothQuant (smooth.py): alpha in [0, 1], or None for no smoothing; applied to the quantized backbone GEMMs of
+    # smooth_roles, with scales from the calibration rows (a JSONL file of texts, or None: the validation grid)
+    smooth_alpha: float | None = DEFAULT_SMOOTH_ALPHA
+    smooth_roles: tuple[str, ...] = DEFAULT_SMOOTH_ROLES
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: unknown '{self.method}'; allowed: {', '.join(METHODS)}")
+        if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha <= 1.0:
+            raise ValueError(f"smooth_alpha must be in [0, 1] (or None: no smoothing), got {self.smooth_alpha}")
+        if unknown := [r for r in self.smooth_roles if r not in ROLES]:
+            raise ValueError(f"smooth_roles: unknown role '{unknown[0]}'; allowed: {', '.join(ROLES)}")
         for entry in self.fp32_roles:
             role, _, layer = entry.partition(":")
             if role not in ROLES or (layer and not layer.lstrip("-").isdigit()):
@@ -157,38 +151,68 @@ class GateReport:
 
 
 def quantize_graph(
-    src: Path, dst: Path, options: Int8Options = DEFAULT_OPTIONS, backbone: tuple[str, int] | None = None
+    src: Path,
+    dst: Path,
+    options: Int8Options = DEFAULT_OPTIONS,
+    backbone: tuple[str, int] | None = None,
+    calibration: Calibration | None = None,
 ) -> dict[str, Any]:
-    """Quantize the optimized fp32 graph ``src`` into ``dst`` (dynamic int8, see the module docstring) and return
+    """Quantize the optimized fp32 graph ``src`` into ``dst`` (``options.method``, see the module docstring) and return
     what was quantized and what stayed floating point, for the manifest. ``backbone``: (architecture, layers), to
-    check that every layer's GEMMs were found where ``options`` leaves some in fp32 (see ``check_roles``)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    check that every layer's GEMMs were found where ``options`` leaves some in fp32 (see ``check_roles``);
+    ``calibration``: the rows static quantization takes its activation ranges from (required for it)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     before = onnx.load(str(src), load_external_data=False)
     if backbone is not None and (options.fp32_roles or options.fp32_layers):
         check_roles(backbone_roles(before), *backbone)
     nodes = quantizable(before, options)
+    if options.method == "static":  # ONNX Runtime's QDQ quantizer has no int8 Attention
+        nodes = [n.name for n in before.graph.node if n.name in set(nodes) and n.op_type == "MatMul"]
     if not nodes:  # an empty list would mean "every node" to the quantizer
         raise ExportError(f"{src}: no MatMul with a constant weight and no Attention to quantize")
+    common: dict[str, Any] = {
+        "nodes_to_quantize": nodes,  # by name: the quantizer would also turn the heads' Gemms into MatMuls
+        "per_channel": options.per_channel,
+        "reduce_range": options.reduce_range,
+        "weight_type": QuantType.QInt8,
+        # the contrib operators of the optimized graph (Attention, SkipLayerNormalization, ...) have no ONNX shape
+        # inference: their outputs are float32, which is what this says
+        "extra_options": {"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)  # the quantizer advises shape-inference pre-processing: ORT's optimizer did it
         try:
-            quantize_dynamic(
-                src,
-                dst,
-                op_types_to_quantize=list(QUANTIZED_OPS),
-                nodes_to_quantize=nodes,  # by name: the quantizer would also turn the heads' Gemms into MatMuls
-                per_channel=options.per_channel,
-                reduce_range=options.reduce_range,
-                weight_type=QuantType.QInt8,
-                # the contrib operators of the optimized graph (Attention, SkipLayerNormalization, ...) have no ONNX
-                # shape inference: their outputs are float32, which is what this says
-                extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT, "MatMulConstBOnly": True},
-            )
+            if options.method == "static":
+                if calibration is None:
+                    raise ValueError("static quantization needs calibration rows")
+                wanted = {i.name for i in before.graph.input}
+                reader = _Reader([{k: v for k, v in f.items() if k in wanted} for f in calibration.feeds])
+                typed = with_types(src, dst.with_name("typed.onnx"))
+                try:
+                    quantize_static(
+                        typed, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+                        activation_type=QuantType.QUInt8, **common,
+                    )  # fmt: skip
+                finally:
+                    for f in typed.parent.glob(typed.name + "*"):
+                        f.unlink()
+            else:
+                quantize_dynamic(src, dst, op_types_to_quantize=list(QUANTIZED_OPS), **common)
         finally:
             logging.disable(logging.NOTSET)
     return describe(before, nodes, onnx.load(str(dst)), options)
+
+
+class _Reader:
+    """onnxruntime.quantization's CalibrationDataReader over a list of feeds."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self._feeds = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._feeds, None)
 
 
 def quantizable(graph: onnx.ModelProto, options: Int8Options = DEFAULT_OPTIONS) -> list[str]:
@@ -251,7 +275,8 @@ def check_roles(roles: dict[str, tuple[int, str]], arch: str, layers: int) -> No
         raise ExportError(
             f"int8: the {arch} graph has a fused Attention followed by its three GEMMs in {whole} of its {layers} layers "
             "(ONNX Runtime did not fuse every attention: see the export's 'did not fuse' warning), so the backbone "
-            "GEMMs to leave in fp32 cannot be found; allowed: --int8-fp32 none (quantize every GEMM)"
+            "GEMMs to leave in fp32 or to smooth cannot be found; allowed: --int8-fp32 none (quantize every GEMM) with "
+            "--int8-smooth none"
         )
 
 
@@ -260,53 +285,6 @@ def _backbone_gemm(node: onnx.NodeProto, weights: set[str]) -> bool:
     return (
         node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in weights and not node.name.startswith(ADAPTER_NODES)
     )
-
-
-def _weights_by_type(model: onnx.ModelProto) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for t in model.graph.initializer:
-        out[onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name] += int(np.prod(t.dims))
-    return out
-
-
-def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelProto, options: Int8Options) -> dict[str, Any]:
-    """Operators quantized, operators left in floating point (with why), and weights by element type."""
-    chosen = set(quantized)
-    weights = {t.name for t in before.graph.initializer}
-    kept: Counter[str] = Counter()
-    for n in before.graph.node:
-        kind = n.op_type
-        if n.name in chosen:
-            continue
-        if kind == "MatMul" and len(n.input) > 1 and n.input[1] in weights:
-            kind = "adapter MatMul" if n.name.startswith(ADAPTER_NODES) else "backbone MatMul"
-        elif kind == "MatMul":
-            kind = "task MatMul"
-        if kind in KEPT_FP32:
-            kept[kind] += 1
-    fp32: dict[str, dict[str, Any]] = {}
-    for kind, count in kept.items():
-        label, why = KEPT_FP32[kind]
-        if kind in ("backbone MatMul", "Attention"):
-            why += f": fp32_roles {list(options.fp32_roles)}, fp32_layers {list(options.fp32_layers)}"
-        entry = fp32.setdefault(label, {"count": 0, "why": why})
-        entry["count"] += count
-    ops = Counter(n.op_type for n in before.graph.node if n.name in chosen)
-    return {
-        "method": "onnxruntime.quantization.quantize_dynamic",
-        "weights": ("int7 (reduce_range)" if options.reduce_range else "int8")
-        + ", symmetric, "
-        + ("one scale per output column" if options.per_channel else "one scale per tensor"),
-        "activations": "uint8, asymmetric, one scale per tensor computed at run time",
-        "adapter_path": options.adapter_path,
-        "fp32_roles": list(options.fp32_roles),
-        "fp32_layers": list(options.fp32_layers),
-        "options": json.loads(json.dumps(asdict(options))),  # all of them, gate included, as the manifest holds them
-        "quantized": {op: ops[op] for op in QUANTIZED_OPS},
-        "of": {op: sum(n.op_type == op for n in before.graph.node) for op in QUANTIZED_OPS},
-        "kept_fp32": fp32,
-        "weights_by_type": dict(_weights_by_type(after)),
-    }
 
 
 def _probabilities(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -372,25 +350,66 @@ def check_int8(
 
 
 def int8_graph(
-    work: Path, fp32: object, model: FusionModel, max_seq_len: int, options: Int8Options, progress: bool
+    work: Path,
+    fp32: object,
+    model: FusionModel,
+    max_seq_len: int,
+    options: Int8Options,
+    progress: bool,
+    encoder: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Quantize ``work``/model.onnx (the validated fp32 graph, whose session is ``fp32``) in place and gate it;
-    (int8 session, the manifest's 'int8' record). Raises Int8GateError, leaving the fp32 graph in place, or
+    (int8 session, the manifest's 'int8' record). With ``options.smooth_alpha``, the graph is smoothed first and the
+    smoothed fp32 graph checked against ``fp32`` (``smooth.check_smoothed``); the gate compares the int8 graph with
+    ``fp32``, the unsmoothed graph. ``encoder`` (serving.tokenize.Encoder) tokenizes ``options.calibration``.
+    Raises Int8GateError or SmoothingError, leaving the fp32 graph in place; InputError for a bad calibration file;
     ExportError where the backbone GEMMs ``options`` leaves in fp32 cannot be found (``check_roles``)."""
     from tqdm import tqdm
 
     from fusionserve.serving.artifact import MODEL_FILE
     from fusionserve.serving.runtime import make_session
 
+    from .smooth import check_smoothed, smooth_graph
     from .validate import count_cases
 
     src, dst = work / MODEL_FILE, work / "int8.onnx"
     backbone = (model.backbone.arch.name, model.backbone.n_layers)
-    record: dict[str, Any] = {"quantization": quantize_graph(src, dst, options, backbone)}
+    record: dict[str, Any] = {}
+    calibration = None
+    if options.smooth_alpha is not None or options.method == "static":
+        calibration = calibration_inputs(model, max_seq_len, options.calibration, encoder)
+    graph = src
+    if options.smooth_alpha is not None:
+        assert calibration is not None
+        before = onnx.load(str(src), load_external_data=False)
+        roles = backbone_roles(before)
+        check_roles(roles, *backbone)  # the GEMMs to smooth are found by role, as those left in fp32
+        attention = {n.name for n in before.graph.node if n.op_type == "Attention"}  # static QDQ leaves them fp32
+        nodes = [
+            n
+            for n in quantizable(before, options)
+            if roles.get(n, (0, ""))[1] in options.smooth_roles and not (options.method == "static" and n in attention)
+        ]
+        graph = work / "smoothed.onnx"
+        record["smoothing"] = smooth_graph(src, graph, nodes, options.smooth_alpha, calibration)
+        cases = [
+            {**feeds, "task_id": task_id}
+            for _, task_id, c in _gate_runs(model, max_seq_len, {"task_id"})[:1]
+            for _, _, feeds in c
+        ]
+        cases += [{**feeds, "task_id": ids} for ids, (_, _, feeds) in mixed_cases(model, max_seq_len)]
+        smoothed = make_session(graph, device="cpu")
+        record["smoothing"]["fp32_max_abs_diff"] = check_smoothed(smoothed, fp32, cases)
+        del smoothed
+    record["quantization"] = quantize_graph(graph, dst, options, backbone, calibration)
+    if calibration is not None and options.method == "static":
+        record["quantization"]["calibration"] = calibration.describe()
     session = make_session(dst, device="cpu")
     with tqdm(total=count_cases(model, max_seq_len), desc="int8 gate", unit="case", disable=not progress, leave=False) as bar:
         record["gate"] = check_int8(session, fp32, model, max_seq_len, options.gate, bar.update).as_dict()
     record["model_bytes"] = {"fp32": _bytes(src), "int8": _bytes(dst)}
+    for f in work.glob("smoothed.onnx*"):
+        f.unlink()
     dst.replace(src)  # the session holds the graph in memory; the artifact keeps only the int8 file
     return session, record
 

@@ -200,4 +200,18 @@ def render_int8(record: dict[str, Any] | None) -> list[str]:
         "int8        quantized "
         + ", ".join(f"{op} {n}/{q['of'][op]}" for op, n in q["quantized"].items())
         + f" ({q['weights']}); fp32: {kept}; model.onnx {size['int8'] / 2**20:.1f} MB (fp32 {size['fp32'] / 2**20:.1f} MB)",
+        *_render_smoothing(record.get("smoothing")),
+    ]
+
+
+def _render_smoothing(smooth: dict[str, Any] | None) -> list[str]:
+    """The SmoothQuant line of an int8 artifact that was smoothed before quantizing (none otherwise)."""
+    if not smooth:
+        return []
+    cal = smooth["calibration"]
+    return [
+        f"int8 smooth alpha {smooth['alpha']:g} over {smooth['gemms']} GEMMs (inverse in V columns "
+        f"{smooth['inverse_in_v_columns']}, as a Mul {smooth['inverse_as_mul']}; largest scale {smooth['largest_scale']:g}), "
+        f"calibrated on {cal['rows']} rows of {cal['source']}; smoothed fp32 vs fp32 max |diff| "
+        f"{smooth['fp32_max_abs_diff']:.2g}"
     ]

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 import resource
+import shutil
 import signal
 import socket
 import tempfile
@@ -141,13 +142,25 @@ def ingress_env(
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_first),
             "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_first + _GRPC_PORTS),
         }
-        haproxy = real_haproxy()
-        if haproxy is not None:  # none: Serve says so when it starts HAProxy
-            env[BINARY_ENV] = str(write_wrapper(folder, haproxy, body_timeout_s))
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
+        command = _haproxy_command()
+        if command is not None:  # none: Serve says so itself when it starts HAProxy
+            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s))
     return env
+
+
+def _haproxy_command() -> list[str] | None:
+    """How the launcher (serving/haproxy_rules.py) runs the HAProxy Serve would start: with a parent-death signal
+    (util-linux ``setpriv --pdeathsig``) where there is ``setpriv``. HAProxy is the child of Serve's HAProxy manager,
+    and when the manager dies (its node's raylet gone, the server killed) HAProxy was left holding the port, answering
+    500 to every request, until a person killed it. None where there is no HAProxy."""
+    binary = real_haproxy()
+    if binary is None:
+        return None
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", binary] if setpriv else [binary]
 
 
 def routed_replicas(folder: Path, app: str) -> int | None:

@@ -157,7 +157,9 @@ def test_a_graph_whose_attention_did_not_fuse(arch_models, tmp_path, capsys, mon
     message = str(exc.value)
     assert "int8: the distilbert graph has a fused Attention followed by its three GEMMs in 0 of its 3 layers" in message
     assert "'did not fuse' warning" in message and "allowed: --int8-fp32 none (quantize every GEMM)" in message
-    every = int8_copy(fp32, built.spec, tmp_path / "every", Int8Options(fp32_roles=()))
+    with pytest.raises(ExportError, match=r"fp32 or to smooth cannot be found; allowed: --int8-fp32 none .* --int8-smooth none"):
+        int8_copy(fp32, built.spec, tmp_path / "smoothed", Int8Options(fp32_roles=()))  # smoothing finds GEMMs by role
+    every = int8_copy(fp32, built.spec, tmp_path / "every", Int8Options(fp32_roles=(), smooth_alpha=None))
     q = load_artifact(every).manifest["int8"]["quantization"]
     assert q["quantized"] == {"MatMul": len(quantizable(graph, Int8Options(fp32_roles=()))), "Attention": 0}
     assert "backbone GEMMs" not in q["kept_fp32"]

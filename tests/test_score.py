@@ -101,6 +101,24 @@ def test_all_scores_activations_and_pairs(artifact, runner, tmp_path):
         assert sum(r[f"activation_{x}"] for x in ("alpha", "beta", "gamma")) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_raw_scores_and_left_truncation_from_the_command_line(artifact, runner, tmp_path, capsys):
+    texts = _texts(12, seed=5)
+    assert max(runner.encoder.count_tokens([TextInput(t) for t in texts])) > MAX_SEQ_LEN  # some are cut
+    src = _write(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    dst = tmp_path / "out.jsonl"
+    code, _, err = _cli(capsys, "score", artifact, "--task", "rte", "--input", src, "--output", dst, "--all-scores",
+                        "--raw-scores", "--truncation-direction", "left")  # fmt: skip
+    assert code == 0, err
+    labels = runner.labels["rte"]
+    for row, text in zip(_read(dst), texts, strict=True):
+        logits = runner.run("rte", runner.encoder.encode([TextInput(text)], "left")).logits[0]
+        assert [row[f"score_{x}"] for x in labels] == pytest.approx(logits.tolist(), abs=1e-5)  # logits, not probabilities
+        assert row["label"] == labels[int(np.argmax(logits))] and row["score"] == pytest.approx(float(logits.max()), abs=1e-5)
+    with pytest.raises(SystemExit) as exit_:
+        _cli(capsys, "score", artifact, "--task", "rte", "--input", src, "--truncation-direction", "up")
+    assert exit_.value.code == 2 and "invalid choice: 'up'" in capsys.readouterr().err
+
+
 def test_mean_activations_ignore_padding():
     acts = np.zeros((2, 1, 3, 2))  # (batch, layers, seq, adapters)
     acts[:, :, :, 0] = 1.0
