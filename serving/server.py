@@ -17,6 +17,7 @@ from typing import Any
 import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
+from fusionserve.settings import REPLICA_GRPC_HOST_ENV
 
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
@@ -28,6 +29,7 @@ from .supervise import descendants, end_run, exit_with, new_run_folder, reap_sta
 
 __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
 APP_NAME = "fusionserve"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
 _ingress_dir: str | None = None  # the run folder (serving/supervise.py): HAProxy's config, socket and state files
 _deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
@@ -94,10 +96,7 @@ def start(
     artifact, held = _check_before_ray(cfg)
     address = os.environ.get("RAY_ADDRESS")
     _ingress_dir = str(run_folder or new_run_folder())
-    # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
-    os.environ.update(
-        ingress_env(cfg.ingress, Path(_ingress_dir), cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
-    )
+    _set_ray_env(cfg, Path(_ingress_dir), local=not address)
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -150,6 +149,15 @@ def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
     return artifact, held
 
 
+def _set_ray_env(cfg: ServerConfig, folder: Path, local: bool) -> None:
+    """The settings Ray's processes read when they start: the ingress's (HAProxy's files in ``folder``), Serve's
+    proxy's gRPC message limit, and, for a Ray of our own with a loopback --host, the replicas' own gRPC server on
+    loopback too (Serve's is every interface; 127.0.0.1 is where HAProxy reaches its own node's replicas)."""
+    os.environ.update(ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
+    if local and cfg.host in LOOPBACK:
+        os.environ[REPLICA_GRPC_HOST_ENV] = "127.0.0.1"
+
+
 def grpc_options(port: int | None) -> dict[str, Any]:
     """Serve's gRPC options: fusionserve's servicer on ``port``, or none (Serve then starts no gRPC server)."""
     return {"port": port, "grpc_servicer_functions": [SERVICER]} if port is not None else {}
@@ -159,7 +167,7 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
     """Every node's ingress (HAProxy, or Serve's proxy) reaches replicas on other machines at their node address, and
     the replicas listen on ``--host``: a loopback address would leave them unreachable from the other machines."""
     addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-    if len(addresses) > 1 and host in ("127.0.0.1", "localhost", "::1"):
+    if len(addresses) > 1 and host in LOOPBACK:
         raise FusionServeError(
             f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
