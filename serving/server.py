@@ -107,10 +107,7 @@ def start(
     if not address:  # a Ray of our own runs no Serve yet: whatever holds a port is not ours to share
         _refuse_held(cfg.host, held)
     _ingress_dir = str(run_folder or new_run_folder())
-    # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
-    os.environ.update(
-        ingress_env(cfg.ingress, Path(_ingress_dir), cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
-    )
+    os.environ.update(_ray_env(cfg, Path(_ingress_dir)))  # read by Ray's processes when they start
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -141,6 +138,12 @@ def start(
         _wait_all_routed(Path(_ingress_dir), opts.min_replicas or opts.replicas, say)
         record(Path(_ingress_dir), tree=descendants(os.getpid()))  # what a next start reaps if this run is killed
     return url
+
+
+def _ray_env(cfg: ServerConfig, folder: Path) -> dict[str, str]:
+    """The ingress's settings (HAProxy's files in ``folder``, its body timeout) and the gRPC message limit of Serve's
+    proxy: what Ray's processes read when they start."""
+    return ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
