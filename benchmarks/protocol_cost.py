@@ -7,6 +7,11 @@ and encoding steps are timed).
   ``classify_grpc`` -> ``SerializeToString`` (Serve again).
 
     python -m benchmarks.protocol_cost ART [--task T] [--inputs 1 8] [--calls 2000] [--rounds 30] [--profile]
+    python -m benchmarks.protocol_cost --key-check [--calls 20000] [--rounds 30]
+
+``--key-check`` times the API key check every request pays when the server has a key (serving/auth.py): the
+``authorization`` header found among a browser-sized header list, hashed and compared with every accepted key, for a
+right key, a wrong key of the same length and of another length, no header, and 1 or 3 accepted keys (rotation).
 
 Prints microseconds per call for each protocol and input count: the fastest round (timeit's estimate on a busy
 machine: other work only ever adds time) and the median round, the protocols alternating round by round;
@@ -29,6 +34,7 @@ import orjson
 
 from fusionserve.serving import fusionserve_pb2 as pb
 from fusionserve.serving.artifact import load_artifact
+from fusionserve.serving.auth import KeyCheck, header
 from fusionserve.serving.batching import JobResult, TaskResult
 from fusionserve.serving.classify import Classifier, parse_json
 from fusionserve.serving.grpc_ingress import classify_grpc
@@ -105,15 +111,46 @@ def profile(fn: Callable[[], object], calls: int, top: int = 18) -> str:
     return out.getvalue()
 
 
+def key_checks(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """(fastest, median) microseconds per check over ``rounds`` of ``calls``, for each case (see the docstring)."""
+    key = "k" * 43  # the length of a 32-byte key in URL-safe base64
+    headers = [(b"host", b"127.0.0.1:8000"), (b"user-agent", b"python-requests/2.32.3"), (b"accept-encoding", b"gzip"),
+               (b"accept", b"*/*"), (b"connection", b"keep-alive"), (b"content-type", b"application/json"),
+               (b"content-length", b"64")]  # fmt: skip
+    cases = {
+        "right key, 1 key": (KeyCheck([key]), f"Bearer {key}"),
+        "wrong key, same length": (KeyCheck([key]), "Bearer " + "x" * len(key)),
+        "wrong key, other length": (KeyCheck([key]), "Bearer short"),
+        "no header": (KeyCheck([key]), None),
+        "right key, 3 keys": (KeyCheck(["a" * 43, "b" * 43, key]), f"Bearer {key}"),
+    }
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (check, value) in cases.items():
+            scope = headers + ([(b"authorization", value.encode())] if value is not None else [])
+            started = time.perf_counter()
+            for _ in range(calls):
+                check.allows(header(scope))
+            out[name].append((time.perf_counter() - started) / calls * 1e6)
+    return {k: (min(v), statistics.median(v)) for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("artifact")
+    p.add_argument("artifact", nargs="?")
+    p.add_argument("--key-check", action="store_true", help="time the API key check instead (needs no artifact)")
     p.add_argument("--task", default=None)
     p.add_argument("--inputs", type=int, nargs="+", default=[1, 8])
     p.add_argument("--calls", type=int, default=2000, help="calls per round")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
+    if args.key_check:
+        for name, (fast, med) in key_checks(args.calls * 10, args.rounds).items():
+            print(f"key check, {name}: {fast:.2f} us fastest round ({med:.2f} median)")
+        return
+    if args.artifact is None:
+        p.error("give an artifact (or --key-check)")
     for n in args.inputs:
         fns, task = paths(args.artifact, args.task, n)
         for fn in fns.values():  # same answer check and warm-up before timing

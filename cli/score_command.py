@@ -32,6 +32,15 @@ def add_score(sub: Any) -> None:
     )
     sc.add_argument("--all-scores", action="store_true", help="add score_<label>: every label's probability")
     sc.add_argument(
+        "--raw-scores", action="store_true", help="score (and score_<label>) hold the model's logits instead of probabilities"
+    )
+    sc.add_argument(
+        "--truncation-direction",
+        choices=["right", "left"],
+        default="right",
+        help="where a text over the token limit is cut: right keeps its first tokens, left its last (default right)",
+    )
+    sc.add_argument(
         "--activations", action="store_true", help="add activation_<adapter>: mean fusion weight over layers and tokens"
     )
     sc.add_argument("--prefix", default="", help="put before every added column's name, e.g. pred_ (default: nothing)")
@@ -55,6 +64,7 @@ def run_score(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, chunk_size=args.chunk_size, max_row_bytes=args.max_row_bytes, all_scores=args.all_scores,
         activations=args.activations, prefix=args.prefix, threads=args.threads, overwrite=args.overwrite,
         ray=args.ray, ray_address=args.ray_address, ray_actors=args.ray_actors,
+        truncation_direction=args.truncation_direction, raw_scores=args.raw_scores,
     )  # fmt: skip
     try:
         summary = score_file(job)

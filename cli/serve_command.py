@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from fusionserve.errors import FusionServeError
 from fusionserve.serving import options
 from fusionserve.serving.ingress import INGRESSES
+from fusionserve.settings import API_KEY_ENV, api_keys, parse_keys
 
 from . import default
 
@@ -79,8 +83,48 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--grpc-port", type=int, help="also serve gRPC (fusionserve.v1.Classifier, serving/fusionserve.proto) on this port"
     )
+    _add_access(sv)
     _add_scaling(sv)
     sv.set_defaults(run=run_serve, needs="serve")
+
+
+def _add_access(sv: Any) -> None:
+    access = sv.add_argument_group("access and compatibility (see docs/guides/api.md)")
+    access.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"every model route asks for 'Authorization: Bearer KEY' (several: comma-separated). Prefer ${API_KEY_ENV}: "
+        "an argument is visible to other users in ps until the server hides it",
+    )
+    access.add_argument("--private-metrics", action="store_true", help="/metrics asks for the API key too (default: open)")
+    access.add_argument(
+        "--default-task", help="answer TEI's POST /predict and the Hugging Face Inference API's POST / for this task"
+    )
+
+
+def _api_key_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--api-key goes into this process's environment, which the local Ray and so every replica inherit (on a joined
+    cluster, every node must have it: see the guide), and out of its command line, which Ray records. Returns the
+    application's options that name the variable, never the key."""
+    if args.api_key is not None:
+        if not parse_keys(args.api_key):
+            raise FusionServeError("--api-key: empty; give a key (or several, comma-separated)")
+        os.environ[API_KEY_ENV] = args.api_key
+        _hide(args.api_key)
+    options: dict[str, Any] = {"api_key_env": API_KEY_ENV} if api_keys() else {}
+    if args.private_metrics:
+        options["open_metrics"] = False
+    return options
+
+
+def _hide(key: str) -> None:
+    """Blank the key out of this process's command line (what ps and Ray's job table show) and of sys.argv."""
+    sys.argv[:] = [a.replace(key, "<hidden>") for a in sys.argv]
+    try:
+        from ray._raylet import setproctitle  # Ray's own (it retitles its workers with it); rewrites /proc/self/cmdline
+    except ImportError:  # no Ray: serve stops at its missing extra anyway
+        return
+    setproctitle(" ".join([Path(sys.executable).name, "-m", "fusionserve.cli.main", *sys.argv[1:]]))
 
 
 def _add_scaling(sv: Any) -> None:
@@ -125,10 +169,11 @@ def run_serve(args: argparse.Namespace) -> int:
         "host", "port", "replicas", "max_batch_size", "batch_wait_ms", "max_queued", "max_ongoing", "max_inputs",
         "max_body_bytes", "threads", "device", "max_batch_tokens", "ingress", "body_timeout_s", "replace", "grpc_port",
         "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s",
-        "look_back_period_s", "ship_artifact",
+        "look_back_period_s", "ship_artifact", "default_task",
     )  # fmt: skip
     # an option not given is left out: its default is the application's (AppArgs), written in one place
-    cfg = ServerConfig(artifact, **{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    chosen = {n: getattr(args, n) for n in names if getattr(args, n) is not None} | _api_key_options(args)
+    cfg = ServerConfig(artifact, **chosen)
     if args.print_config:
         from fusionserve.serving.serve_config import render
 

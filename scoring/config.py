@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusionserve.errors import InputError
+from fusionserve.serving.tokenize import TRUNCATION_DIRECTIONS
 
 from .files import MAX_ROW_BYTES
 
@@ -33,8 +34,14 @@ class ScoreConfig:
     ray: bool = False
     ray_address: str | None = None
     ray_actors: int | None = None
+    truncation_direction: str = "right"  # where a text over the token limit is cut: right keeps its start, left its end
+    raw_scores: bool = False  # score columns hold the logits instead of probabilities
 
     def __post_init__(self) -> None:
+        if self.truncation_direction not in TRUNCATION_DIRECTIONS:
+            raise InputError(
+                f"--truncation-direction '{self.truncation_direction}' is not known; allowed: {', '.join(TRUNCATION_DIRECTIONS)}"
+            )
         for name in ("batch_size", "chunk_size", "max_row_bytes", "threads", "ray_actors"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -13,7 +13,7 @@ import pyarrow as pa
 from fusionserve.errors import InputError
 from fusionserve.serving.activations import token_means
 from fusionserve.serving.artifact import TaskEntry
-from fusionserve.serving.predictions import TextInput, label_scores
+from fusionserve.serving.predictions import TextInput, label_logits, label_scores
 from fusionserve.serving.runtime import OnnxRunner
 
 from .config import ScoreConfig
@@ -23,8 +23,8 @@ from .readers import Record, to_input
 @dataclass(frozen=True)
 class Scored:
     label: str
-    score: float  # probability of ``label``
-    scores: tuple[float, ...]  # every label's probability, label-id order
+    score: float  # probability of ``label`` (its logit with raw scores)
+    scores: tuple[float, ...]  # every label's probability (logit), label-id order
     activations: tuple[float, ...] | None  # per task adapter: mean fusion weight over layers and real tokens
     truncated: bool
 
@@ -43,9 +43,11 @@ def score_inputs(
     batch_size: int,
     activations: bool = False,
     on_rows: Callable[[int], object] | None = None,
+    truncation: str = "right",
+    raw: bool = False,
 ) -> list[Scored]:
     """Score ``inputs`` for one task; see ``score_tasks``."""
-    return [r[0] for r in score_tasks(runner, (task,), inputs, batch_size, activations, on_rows)]
+    return [r[0] for r in score_tasks(runner, (task,), inputs, batch_size, activations, on_rows, truncation, raw)]
 
 
 def score_tasks(
@@ -55,15 +57,19 @@ def score_tasks(
     batch_size: int,
     activations: bool = False,
     on_rows: Callable[[int], object] | None = None,
+    truncation: str = "right",
+    raw: bool = False,
 ) -> list[tuple[Scored, ...]]:
-    """Score ``inputs`` for each of ``tasks`` in batches of similar token length, tokenized once; per input, one
-    Scored per task, in input order. Raises what the runner raises (unknown task, no fusion for activations,
+    """Score ``inputs`` for each of ``tasks`` in batches of similar token length, tokenized once (cut from
+    ``truncation``'s side when too long); per input, one Scored per task, in input order, with probabilities (or the
+    logits, unrounded, when ``raw``). Raises what the runner raises (unknown task, no fusion for activations,
     runtime failure)."""
     labels = [runner.artifact.task(t).labels for t in tasks]
     if not inputs:  # a chunk whose rows were all bad
         return []
     # tokenized once: the lengths to sort by, and every batch a slice of it padded to its own longest
-    encoded = runner.encoder.encode(inputs)
+    encoded = runner.encoder.encode(inputs, truncation)
+    scoring = label_logits if raw else label_scores
     lengths = encoded.attention_mask.sum(axis=1)
     order = sorted(range(len(inputs)), key=lengths.__getitem__)
     out: list[list[Scored]] = [[] for _ in inputs]
@@ -75,7 +81,7 @@ def score_tasks(
             acts = None
             if res.fusion_activations is not None:
                 acts = mean_activations(res.fusion_activations, enc.attention_mask)  # (batch, task adapters)
-            for k, (i, (label, score, probs)) in enumerate(zip(idx, label_scores(task_labels, res.logits), strict=True)):
+            for k, (i, (label, score, probs)) in enumerate(zip(idx, scoring(task_labels, res.logits), strict=True)):
                 row_acts = None if acts is None else tuple(float(v) for v in acts[k])
                 out[i].append(Scored(label, score, tuple(probs.values()), row_acts, enc.truncated[k]))
         if on_rows is not None:
@@ -94,11 +100,13 @@ def score_records(
     batch_size: int,
     activations: bool = False,
     on_rows: Callable[[int], object] | None = None,
+    truncation: str = "right",
+    raw: bool = False,
 ) -> list[tuple[Scored, ...] | InputError]:
     """One result per record, in order: one Scored per task, or the InputError of a row that has no usable text."""
     inputs = [r if isinstance(r, InputError) else to_input(r, text_field, pair_field) for r in records]
     texts = [x for x in inputs if isinstance(x, TextInput)]
-    scored = iter(score_tasks(runner, tasks, texts, batch_size, activations, on_rows))
+    scored = iter(score_tasks(runner, tasks, texts, batch_size, activations, on_rows, truncation, raw))
     return [x if isinstance(x, InputError) else next(scored) for x in inputs]
 
 

@@ -78,6 +78,9 @@ def _run_identity(cfg: ScoreConfig, artifact: Artifact, out_fmt: str) -> dict[st
         "all_scores": cfg.all_scores,
         "activations": cfg.activations,
         "prefix": cfg.prefix,
+        # only when chosen: a run started before these options existed resumes as it was
+        **({"truncation_direction": cfg.truncation_direction} if cfg.truncation_direction != "right" else {}),
+        **({"raw_scores": True} if cfg.raw_scores else {}),
         "output_format": out_fmt,
     }
 
@@ -232,8 +235,9 @@ def _score_local(
                 return True
             records = [parse(source.fmt, payload, source.columns, cfg.max_row_bytes) for _, payload in chunk]
             results = score_records(
-                runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations, on_rows
-            )
+                runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations, on_rows,
+                cfg.truncation_direction, cfg.raw_scores,
+            )  # fmt: skip
             sink.write([no for no, _ in chunk], records, results)
             sink.commit(len(chunk))
             on_rows(sum(isinstance(r, InputError) for r in results))

@@ -87,7 +87,8 @@ class ScoreBatches:
     def __call__(self, batch: pa.Table) -> pa.Table:
         cfg = self.cfg
         records = _records(batch, self.fmt, self.header, self.cfg.max_row_bytes)
-        results = score_records(self.runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations)
+        results = score_records(self.runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size,
+                                cfg.activations, None, cfg.truncation_direction, cfg.raw_scores)  # fmt: skip
         ok = [None if isinstance(r, InputError) else r for r in results]  # per row: one Scored per task
         floats, nested = pa.list_(pa.float64()), pa.list_(pa.list_(pa.float64()))
         columns = {

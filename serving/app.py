@@ -23,16 +23,19 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusionserve import __version__
+from fusionserve.errors import FusionServeError
 
 from .artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
 from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log_unexpected, parse_json
-from .grpc_ingress import classify_grpc
+from .grpc_ingress import bind_replica_grpc, classify_grpc
 from .metrics import Metrics
 from .options import bounded
 from .predictions import TextInput
 from .runtime import OnnxRunner
-from .schemas import ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
+from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
+from .tei import predictions, read_request
 
 app = FastAPI(
     title="fusionserve",
@@ -66,6 +69,31 @@ class _ClassifyFastPath:
         await response(scope, receive, send)
 
 
+class _KeyGuard:
+    """With an API key set, every request outside the open paths (probes, docs, and /metrics unless closed) must
+    carry it (serving/auth.py), whichever route, the fast path's included: refused here with 401 before anything
+    else reads it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        replica = _replica
+        if (
+            replica is None
+            or replica.keys is None
+            or scope["type"] != "http"
+            or is_open(scope["path"], replica.open_metrics)
+            or replica.keys.allows(header(scope["headers"]))
+        ):
+            await self.app(scope, receive, send)
+            return
+        replica.stats.observe_rejected(UNAUTHORIZED.reason)
+        replica.stats.observe_request("-", UNAUTHORIZED.status, 0.0)
+        response = _error(UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.message, CHALLENGE)
+        await response(scope, receive, send)
+
+
 class _HeadAsGet:
     """HEAD on a GET route answers as GET would, without the body (Starlette's plain routes do this; FastAPI's do not,
     so HEAD /healthz was a 405)."""
@@ -89,13 +117,14 @@ class _HeadAsGet:
 
 app.add_middleware(_ClassifyFastPath)
 app.add_middleware(_HeadAsGet)
+app.add_middleware(_KeyGuard)  # added last: the outermost, in front of the fast path too
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
 
 
-def _error(status: int, reason: str, message: str) -> Response:
+def _error(status: int, reason: str, message: str, extra: dict[str, str] | None = None) -> Response:
     # after a body that never completed, the connection is out of step: close it rather than keep it alive
-    headers = {"connection": "close"} if status == 408 else None
+    headers = ({"connection": "close"} if status == 408 else {}) | (extra or {})
     return _json({"error": {"type": reason, "message": bounded(message)}}, status, headers)
 
 
@@ -145,6 +174,14 @@ def _where() -> dict[str, str]:
         return {"replica": str(os.getpid()), "node": "-"}
 
 
+def _serve_with(replica: "FusionServe") -> None:
+    """Make ``replica`` the middlewares' target. A function of this module, not ``global`` in ``__init__``: Serve ships
+    the class by value (``serve.ingress`` rebinds its module name), so its methods write globals of a copy of this
+    module's namespace, which the middlewares (shipped by reference) never see."""
+    global _replica
+    _replica = replica
+
+
 def _check_identity(folder: Path, expected: str | None) -> None:
     """The builder names the artifact every replica must serve (its manifest's sha256): a node whose copy differs
     (another model at the same path, a stale runtime-env copy) must not answer for it."""
@@ -161,10 +198,20 @@ class FusionServe:
 
     def __init__(
         self, artifact_dir: str, limits: Limits, batch: BatchLimits, threads: int | None, device: str = "auto",
-        artifact_sha256: str | None = None,
+        artifact_sha256: str | None = None, api_key_env: str | None = None, open_metrics: bool = True,
+        default_task: str | None = None,
     ) -> None:  # fmt: skip
+        bind_replica_grpc()  # before Serve starts this replica's gRPC server, right after this constructor
         self.artifact = load_artifact(artifact_dir)
         _check_identity(self.artifact.folder, artifact_sha256)
+        # the keys from this process's own environment (never an argument: see serving/auth.py); none set: refused
+        self.keys = KeyCheck.from_env(api_key_env) if api_key_env else None
+        self.open_metrics = open_metrics
+        if default_task is not None and default_task not in self.artifact.tasks:
+            raise FusionServeError(
+                f"default_task '{default_task}' is not a task of {self.artifact.folder}; known tasks: {', '.join(self.artifact.tasks)}"
+            )
+        self.default_task = default_task
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
             os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
         # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
@@ -177,8 +224,7 @@ class FusionServe:
         self._ready_at = 0.0
         self.where = _where()
         self._headers = {f"x-fusionserve-{k}": v for k, v in self.where.items()}
-        global _replica
-        _replica = self
+        _serve_with(self)
 
     def _on_batch(self, batch: BatchStats) -> None:
         self.stats.observe_batch(batch, lambda task: self.artifact.tasks[task].adapters)
@@ -199,14 +245,26 @@ class FusionServe:
     )
     async def classify(self, request: Request) -> Response:
         """Classify texts (or text pairs) for one task, or for several ("tasks") in one call."""
-        outcome = await self.core(lambda: self._read(request), "POST /v1/classify")
+        outcome = await self.core(lambda: self._read(request), "POST /v1/classify", request.headers.get(TIMEOUT_HEADER))
         if isinstance(outcome, HTTPError):
             return _error(outcome.status, outcome.reason, outcome.message)
         return _json(outcome, headers=self._headers)
 
+    @app.post("/predict", responses={404: {"description": "no --default-task"}, 422: {"description": "bad request body"}})
+    async def predict(self, request: Request) -> Response:
+        """TEI's /predict for the server's --default-task: a text, a pair [a, b] or a list of them (serving/tei.py);
+        answers [{label, score}, ...] sorted by score, or a list of those for a list."""
+        return await self._compatible(request, "/predict", nested=False)
+
+    @app.post("/", responses={404: {"description": "no --default-task"}, 422: {"description": "bad request body"}})
+    async def inference_api(self, request: Request) -> Response:
+        """The Hugging Face Inference API's text classification for the --default-task ({"inputs", "parameters"});
+        answers a list of [{label, score}, ...] per input, as huggingface_hub's InferenceClient reads it."""
+        return await self._compatible(request, "/", nested=True)
+
     async def Classify(self, request: Any, grpc_context: Any = None) -> Any:
         """gRPC ``fusionserve.v1.Classifier/Classify``: the same path as POST /v1/classify (serving/grpc_ingress.py)."""
-        return await classify_grpc(self.core, request, grpc_context, self.where)
+        return await classify_grpc(self.core, request, grpc_context, self.where, self.keys)
 
     @app.get("/v1/tasks")
     async def tasks(self) -> dict[str, Any]:
@@ -261,6 +319,22 @@ class FusionServe:
         return Response(body, media_type=content_type)
 
     # --- helpers --------------------------------------------------------------------------------------------
+
+    async def _compatible(self, request: Request, route: str, nested: bool) -> Response:
+        task = self.default_task
+        if task is None:
+            return _error(404, "not_found", f"POST {route}: this server has no default task (start it with --default-task TASK)")
+        shape: dict[str, Any] = {}
+
+        async def read() -> ClassifyRequest:
+            req, shape["batch"], shape["answer"] = read_request(await self._read_body(request), task)
+            return req
+
+        outcome = await self.core(read, f"POST {route}", request.headers.get(TIMEOUT_HEADER))
+        if isinstance(outcome, HTTPError):
+            return _error(outcome.status, outcome.reason, outcome.message)
+        preds = predictions(outcome, shape["answer"])
+        return _json(preds if nested or shape["batch"] else preds[0], headers=self._headers)
 
     async def _read_body(self, request: Request) -> bytes:
         _check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))

@@ -10,6 +10,10 @@ request at an idle server therefore runs at once, and a request with more inputs
 several batches, never refused. A request that finds ``max_queued`` requests already waiting is refused at once
 (``Overloaded``), so overload never builds a queue that answers late.
 
+A request still waiting at its deadline (no row taken by a batch) leaves the queue and fails at once
+(``DeadlineExceeded``); one whose caller goes away (``submit`` cancelled, as Serve does when a client disconnects)
+loses its rows not yet taken the same way. The model never runs a dropped row.
+
 The event loop only hands a request to a tokenizer thread and awaits its future; the model thread posts each
 batch's finished requests back to the loop in one call. So a request costs the loop two wake-ups, whatever the
 batching does. No Ray and no HTTP here: the deployment (``app.py``) only submits requests and reports results.
@@ -24,7 +28,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -33,12 +36,17 @@ from fusionserve.errors import FusionServeError
 from .activations import token_means
 from .options import check_ranges, default
 from .predictions import TextInput
+from .results import BatchStats, JobResult, TaskResult, shares
 from .runtime import OnnxRunner
 from .tokenize import Tokens
 
 
 class Overloaded(FusionServeError):
     """The replica already holds as many waiting requests as it may; the caller should retry later."""
+
+
+class DeadlineExceeded(FusionServeError):
+    """A request's deadline passed while it waited for the model: it was dropped before the model ran any of it."""
 
 
 class TooManyTokens(FusionServeError):
@@ -73,55 +81,6 @@ class BatchLimits:
             )
 
 
-@dataclass(frozen=True)
-class TaskShare:
-    """One task's rows in a batch."""
-
-    inputs: int
-    truncated: int
-    activation_sums: np.ndarray | None  # (layers, task adapters): its rows' per-input token means, summed
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """What one model call did, for the metrics."""
-
-    inputs: int
-    requests: int  # requests with a row in this batch
-    tokens: int  # batch x padded length (the bucket's, when the runner buckets): what the model computed over
-    model_ms: float
-    truncated: int
-    tasks: dict[str, TaskShare]  # the batch's mix
-
-    @property
-    def task(self) -> str:
-        """The batch's task when it holds one (the mixed ones: "mixed")."""
-        return next(iter(self.tasks)) if len(self.tasks) == 1 else "mixed"
-
-
-@dataclass(frozen=True)
-class TaskResult:
-    logits: np.ndarray  # (inputs, num_labels), label-id order
-    activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens; fusion only
-
-
-@dataclass(frozen=True)
-class JobResult:
-    tasks: dict[str, TaskResult]  # in the order asked for
-    truncated: list[bool]  # per input
-    queue_ms: float  # arrival -> the first batch that took one of its rows
-    batches: int  # how many model calls its rows went through
-
-    @property
-    def logits(self) -> np.ndarray:
-        """The first (for a one-task request: the) task's logits."""
-        return next(iter(self.tasks.values())).logits
-
-    @property
-    def activations(self) -> np.ndarray | None:
-        return next(iter(self.tasks.values())).activations
-
-
 @dataclass(eq=False)
 class _Job:
     tasks: tuple[str, ...]
@@ -129,6 +88,7 @@ class _Job:
     future: asyncio.Future[JobResult]
     loop: asyncio.AbstractEventLoop
     arrived_s: float
+    truncation: str = "right"  # where the tokenizer cuts an input over the token limit
     logits: list[np.ndarray | None] = field(default_factory=list)
     acts: list[np.ndarray | None] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
@@ -137,6 +97,8 @@ class _Job:
     started_s: float | None = None
     batches: int = 0
     failed: bool = False
+    dropped: bool = False  # deadline passed, or caller gone: its rows left the queue (or never joined it)
+    enqueued: bool = False  # its rows joined the queue (tokenizing is over)
 
     def __post_init__(self) -> None:
         rows = self.n * len(self.tasks)
@@ -145,8 +107,8 @@ class _Job:
 
     @property
     def gone(self) -> bool:
-        """Failed, or its caller went away (the future was cancelled): its rows need no computing."""
-        return self.failed or self.future.cancelled()
+        """Failed, dropped, or its caller went away (the future was cancelled): its rows need no computing."""
+        return self.failed or self.dropped or self.future.cancelled()
 
 
 @dataclass(frozen=True)
@@ -187,10 +149,19 @@ class Scheduler:
         with self._lock:
             return len(self._queue)
 
-    async def submit(self, task: str | Sequence[str], inputs: Sequence[TextInput], strict: bool = False) -> JobResult:
-        """Classify ``inputs`` for ``task`` (or for each of several tasks). Raises Overloaded when ``max_queued``
-        requests already wait, TooManyTokens (``strict``) for inputs over the token limit, found while tokenizing,
-        off the event loop, and what the tokenizer or the runner raises for this request's rows."""
+    async def submit(
+        self,
+        task: str | Sequence[str],
+        inputs: Sequence[TextInput],
+        strict: bool = False,
+        truncation: str = "right",
+        deadline: float | None = None,
+    ) -> JobResult:
+        """Classify ``inputs`` for ``task`` (or for each of several tasks), cut from ``truncation``'s side when too
+        long. ``deadline`` (``time.monotonic()`` seconds): still waiting then, the request is dropped. Raises
+        Overloaded when ``max_queued`` requests already wait, TooManyTokens (``strict``) for inputs over the token
+        limit, found while tokenizing, off the event loop, DeadlineExceeded, and what the tokenizer or the runner
+        raises for this request's rows; cancelled, it drops the rows not yet taken and re-raises."""
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -199,9 +170,41 @@ class Scheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
-        job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter())
+        job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter(), truncation)
         self._tokenize.submit(self._enqueue, job, inputs, strict)
-        return await job.future
+        timer = None if deadline is None else loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, job)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            self._drop(job, started_too=True)  # the caller went away: what is not computed yet never will be
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self, job: _Job) -> None:
+        """On the loop, at the request's deadline: drop it if no batch has taken a row of it yet."""
+        if not job.future.done() and self._drop(job, started_too=False):
+            waited_ms = (time.perf_counter() - job.arrived_s) * 1000
+            job.future.set_exception(
+                DeadlineExceeded(f"the request waited {waited_ms:.0f} ms for the model and passed its deadline")
+            )
+
+    def _drop(self, job: _Job, started_too: bool) -> bool:
+        """Take ``job``'s rows out of the queue (or keep them out), unless a batch took one and not ``started_too``."""
+        with self._lock:
+            if job.dropped or job.failed:
+                return job.dropped
+            if job.started_s is not None and not started_too:
+                return False
+            job.dropped = True
+            if not job.enqueued:  # still being tokenized: _enqueue adds nothing, and it counts as waiting no more
+                self._waiting -= 1
+            elif job.queued:
+                self._queue = deque(r for r in self._queue if r.job is not job)
+                job.queued = 0
+                self._waiting -= 1
+            return True
 
     def _enqueue(self, job: _Job, inputs: Sequence[TextInput], strict: bool) -> None:
         """In a tokenizer thread: the request's rows join the queue, and the model thread is told. Each input is
@@ -209,7 +212,7 @@ class Scheduler:
         fails instead (its length counted here too: a long text never costs the event loop)."""
         encoder = self.runner.encoder
         try:
-            tokens = encoder.tokens(inputs)
+            tokens = encoder.tokens(inputs, job.truncation)
             over = [i for i, t in enumerate(tokens) if t.truncated] if strict else []
             if over:
                 picked = [inputs[i] for i in over]
@@ -217,13 +220,18 @@ class Scheduler:
                 raise TooManyTokens(list(zip(over, counts, cut, strict=True)), encoder.max_length)
         except Exception as exc:  # a tokenizer failure (or a strict refusal) fails this request only
             with self._lock:
+                if job.dropped:  # dropped meanwhile: nobody waits for this answer
+                    return
                 self._waiting -= 1
-            job.failed = True
+                job.failed = True
             failed: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]] = [(job.future, exc)]
             job.loop.call_soon_threadsafe(_settle, failed)
             return
         rows = [_Row(job, k * job.n + i, task, t) for k, task in enumerate(job.tasks) for i, t in enumerate(tokens)]
         with self._lock:
+            if job.dropped:  # its deadline passed, or its caller went away, while it was tokenized
+                return
+            job.enqueued = True
             self._queue.extend(rows)
             self._lock.notify()
 
@@ -299,21 +307,10 @@ class Scheduler:
                     inputs=len(rows), requests=len({id(r.job) for r in rows}),
                     tokens=len(rows) * self.runner.padded_length(enc.input_ids.shape[1]),
                     model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
-                    tasks=_shares(tasks, acts, enc.truncated),
+                    tasks=shares(tasks, acts, enc.truncated),
                 )
             )  # fmt: skip
         return out.logits, acts
-
-
-def _shares(tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool]) -> dict[str, TaskShare]:
-    out: dict[str, list[Any]] = {}
-    for task, a, cut in zip(tasks, acts, truncated, strict=True):
-        slot = out.setdefault(task, [0, 0, None])
-        slot[0] += 1
-        slot[1] += int(cut)
-        if a is not None:
-            slot[2] = a.copy() if slot[2] is None else slot[2] + a
-    return {t: TaskShare(n, cut, sums) for t, (n, cut, sums) in out.items()}
 
 
 def _delivered(

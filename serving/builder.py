@@ -59,6 +59,12 @@ def check_ranges(values: dict[str, Any], flags: bool) -> None:
         raise FusionServeError(_named(f"min_replicas = {low} is above max_replicas = {high}", flags))
     if high is not None and fixed != 1:
         raise FusionServeError(_named(f"replicas = {fixed} and max_replicas: choose a fixed count or autoscaling", flags))
+    if values.get("open_metrics") is False and values.get("api_key_env") is None:
+        raise FusionServeError(
+            "--private-metrics needs an API key (--api-key, or FUSIONSERVE_API_KEY in the environment)"
+            if flags
+            else "open_metrics = false needs api_key_env: /metrics would ask for a key there is none of"
+        )
 
 
 def _named(text: str, flags: bool) -> str:
@@ -100,6 +106,9 @@ class AppArgs(BaseModel):
         "gpus_per_replica"
     )  # GPUs each CUDA replica reserves; default: spread over the GPUs Ray sees now
     metrics_dir: str | None = None  # PROMETHEUS_MULTIPROC_DIR of the replicas; default: a fresh folder name
+    api_key_env: str | None = default("api_key_env")  # the variable holding the API key(s), never the key
+    open_metrics: bool = default("open_metrics")
+    default_task: str | None = default("default_task")
 
     @model_validator(mode="after")
     def _in_range(self) -> "AppArgs":
@@ -168,13 +177,18 @@ def _cluster_gpus() -> float | None:
     return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else None
 
 
-def _check_artifact(args: AppArgs) -> None:
+def check_artifact(args: AppArgs) -> None:
     """Where the builder can read the artifact, fail here with the file's name rather than in every replica; where it
     cannot (a path only the cluster's nodes have, a runtime env's copy), the replicas check it when they start."""
     folder = Path(args.artifact)
     if not (folder / MANIFEST).is_file():
         return
-    args.batch_limits().check_fits(load_artifact(folder).max_seq_len)
+    artifact = load_artifact(folder)
+    if args.default_task is not None and args.default_task not in artifact.tasks:
+        raise FusionServeError(
+            f"default_task '{args.default_task}' is not a task of {folder}; known tasks: {', '.join(artifact.tasks)}"
+        )
+    args.batch_limits().check_fits(artifact.max_seq_len)
 
 
 def app_builder(args: AppArgs) -> Any:
@@ -184,7 +198,7 @@ def app_builder(args: AppArgs) -> Any:
 
     from .app import FusionServe
 
-    _check_artifact(args)
+    check_artifact(args)
     if args.gpus_per_replica is not None and resolve_device(args.device) == "cuda":
         # fixed, as a cluster whose GPU nodes join later (an autoscaling KubeRay group) needs: Ray holds a replica
         # until a node with a free GPU is there
@@ -211,4 +225,7 @@ def app_builder(args: AppArgs) -> Any:
         ray_actor_options=options,
     )
     artifact = args.artifact if not Path(args.artifact).is_absolute() else str(Path(args.artifact).resolve())
-    return dep.bind(artifact, args.request_limits(), args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256)
+    return dep.bind(
+        artifact, args.request_limits(), args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256,
+        api_key_env=args.api_key_env, open_metrics=args.open_metrics, default_task=args.default_task,
+    )  # fmt: skip

@@ -7,6 +7,7 @@ its own codes. No HTTP framework, no Ray here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -16,10 +17,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from .artifact import Artifact, TaskEntry
-from .batching import Overloaded, Scheduler, TaskResult, TooManyTokens
+from .batching import DeadlineExceeded, Overloaded, Scheduler, TaskResult, TooManyTokens
 from .metrics import Metrics
-from .predictions import TextInput, label_scores
-from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error
+from .predictions import TextInput, label_logits, label_scores
+from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error, timeout_header
 from .tokenize import Encoder
 
 _NAMED = 5  # unknown task names an error names, at most
@@ -65,11 +66,15 @@ def _refusal(exc: HTTPError | Overloaded | TooManyTokens) -> HTTPError:
     return exc
 
 
-def answer(task: str, entry: TaskEntry, result: TaskResult, truncated: list[bool], with_acts: bool) -> dict[str, Any]:
-    """One task's answer as plain data (the JSON body; gRPC copies it into its message)."""
+def answer(
+    task: str, entry: TaskEntry, result: TaskResult, truncated: list[bool], with_acts: bool, raw: bool = False
+) -> dict[str, Any]:
+    """One task's answer as plain data (the JSON body; gRPC copies it into its message); ``raw``: logits, unrounded,
+    instead of rounded probabilities."""
+    scored = (label_logits if raw else label_scores)(entry.labels, result.logits)
     preds = [
         {"label": label, "score": score, "scores": scores, "truncated": bool(cut)}
-        for (label, score, scores), cut in zip(label_scores(entry.labels, result.logits), truncated, strict=True)
+        for (label, score, scores), cut in zip(scored, truncated, strict=True)
     ]
     out: dict[str, Any] = {"task": task, "predictions": preds}
     if with_acts and result.activations is not None:
@@ -84,24 +89,43 @@ class Classifier:
     def __init__(self, artifact: Artifact, encoder: Encoder, scheduler: Scheduler, limits: Limits, stats: Metrics) -> None:
         self.artifact, self.encoder, self.scheduler, self.limits, self.stats = artifact, encoder, scheduler, limits, stats
 
-    async def __call__(self, read: Callable[[], Awaitable[ClassifyRequest]], where: str) -> dict[str, Any] | HTTPError:
-        """``read`` gets and parses the request (raising HTTPError for what it refuses); returns the answer (one task's,
-        or ``{"results": [...]}`` for several), or the refusal to send instead. Never raises: an error of ours becomes a
-        500 refusal whose id is in the log."""
-        started = time.perf_counter()
+    async def __call__(
+        self, read: Callable[[], Awaitable[ClassifyRequest]], where: str, timeout: str | None = None
+    ) -> dict[str, Any] | HTTPError:
+        """``read`` gets and parses the request (raising HTTPError for what it refuses); ``timeout`` is the
+        X-Request-Timeout-Ms header's value, if any (the request's ``timeout_ms`` counts too: the earlier deadline
+        wins, from the moment it arrived). Returns the answer (one task's, or ``{"results": [...]}`` for several),
+        or the refusal to send instead. Never raises, except CancelledError when the caller goes away (the request's
+        rows not yet computed are dropped, and it is counted as dropped): an error of ours becomes a 500 refusal
+        whose id is in the log."""
+        started, arrived = time.perf_counter(), time.monotonic()
         task = "-"  # only known task names become metric labels
         try:
             self.scheduler.check_room()  # before the body is read or parsed: a burst's excess costs least
+            limits_ms = [t for t in (timeout_header(timeout),) if t is not None]
             req = await read()
             entries = self._tasks(req.task_names)
             task = req.task_names[0] if req.task is not None else "multi"
             inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
             self._check(req, inputs, entries)
-            result = await self.scheduler.submit(req.task_names, inputs, strict=req.strict)
-            with_acts = req.return_fusion_activations
-            answers = [answer(e.name, e, result.tasks[e.name], result.truncated, with_acts) for e in entries]
+            if req.timeout_ms is not None:
+                limits_ms.append(req.timeout_ms)
+            deadline = arrived + min(limits_ms) / 1000 if limits_ms else None
+            result = await self.scheduler.submit(
+                req.task_names, inputs, strict=req.strict, truncation=req.truncation_direction, deadline=deadline
+            )
+            acts, raw = req.return_fusion_activations, req.raw_scores
+            answers = [answer(e.name, e, result.tasks[e.name], result.truncated, acts, raw) for e in entries]
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
             return answers[0] if req.task is not None else {"results": answers}
+        except DeadlineExceeded as exc:
+            self.stats.observe_dropped("deadline_exceeded")
+            self.stats.observe_request(task, 504, time.perf_counter() - started)
+            return HTTPError(504, "deadline_exceeded", f"{exc}; it was not run")
+        except asyncio.CancelledError:  # the caller went away (Serve cancels the handler): counted apart, not as 200
+            self.stats.observe_dropped("client_disconnected")
+            self.stats.observe_request(task, 499, time.perf_counter() - started)
+            raise
         except (HTTPError, Overloaded, TooManyTokens) as exc:
             err = _refusal(exc)
             self.stats.observe_rejected(err.reason)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%fusionserve/serving/fusionserve.proto\x12\x0e\x66usionserve.v1\";\n\x05Input\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\ttext_pair\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_text_pair\"\x88\x01\n\x0f\x43lassifyRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.fusionserve.v1.Input\x12!\n\x19return_fusion_activations\x18\x03 \x01(\x08\x12\x0e\n\x06strict\x18\x04 \x01(\x08\x12\r\n\x05tasks\x18\x05 \x03(\t\"M\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06scores\x18\x03 \x03(\x01\x12\x11\n\ttruncated\x18\x04 \x01(\x08\"E\n\x11\x46usionActivations\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x01\"\x9a\x01\n\nTaskAnswer\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\"\xcd\x01\n\x10\x43lassifyResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\x12+\n\x07results\x18\x05 \x03(\x0b\x32\x1a.fusionserve.v1.TaskAnswer2[\n\nClassifier\x12M\n\x08\x43lassify\x12\x1f.fusionserve.v1.ClassifyRequest\x1a .fusionserve.v1.ClassifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%fusionserve/serving/fusionserve.proto\x12\x0e\x66usionserve.v1\";\n\x05Input\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\ttext_pair\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_text_pair\"\xe2\x01\n\x0f\x43lassifyRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.fusionserve.v1.Input\x12!\n\x19return_fusion_activations\x18\x03 \x01(\x08\x12\x0e\n\x06strict\x18\x04 \x01(\x08\x12\r\n\x05tasks\x18\x05 \x03(\t\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x1c\n\x14truncation_direction\x18\x07 \x01(\t\x12\x17\n\ntimeout_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"M\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06scores\x18\x03 \x03(\x01\x12\x11\n\ttruncated\x18\x04 \x01(\x08\"E\n\x11\x46usionActivations\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x01\"\x9a\x01\n\nTaskAnswer\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\"\xcd\x01\n\x10\x43lassifyResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\x12+\n\x07results\x18\x05 \x03(\x0b\x32\x1a.fusionserve.v1.TaskAnswer2[\n\nClassifier\x12M\n\x08\x43lassify\x12\x1f.fusionserve.v1.ClassifyRequest\x1a .fusionserve.v1.ClassifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INPUT']._serialized_start=57
   _globals['_INPUT']._serialized_end=116
   _globals['_CLASSIFYREQUEST']._serialized_start=119
-  _globals['_CLASSIFYREQUEST']._serialized_end=255
-  _globals['_PREDICTION']._serialized_start=257
-  _globals['_PREDICTION']._serialized_end=334
-  _globals['_FUSIONACTIVATIONS']._serialized_start=336
-  _globals['_FUSIONACTIVATIONS']._serialized_end=405
-  _globals['_TASKANSWER']._serialized_start=408
-  _globals['_TASKANSWER']._serialized_end=562
-  _globals['_CLASSIFYRESPONSE']._serialized_start=565
-  _globals['_CLASSIFYRESPONSE']._serialized_end=770
-  _globals['_CLASSIFIER']._serialized_start=772
-  _globals['_CLASSIFIER']._serialized_end=863
+  _globals['_CLASSIFYREQUEST']._serialized_end=345
+  _globals['_PREDICTION']._serialized_start=347
+  _globals['_PREDICTION']._serialized_end=424
+  _globals['_FUSIONACTIVATIONS']._serialized_start=426
+  _globals['_FUSIONACTIVATIONS']._serialized_end=495
+  _globals['_TASKANSWER']._serialized_start=498
+  _globals['_TASKANSWER']._serialized_end=652
+  _globals['_CLASSIFYRESPONSE']._serialized_start=655
+  _globals['_CLASSIFYRESPONSE']._serialized_end=860
+  _globals['_CLASSIFIER']._serialized_start=862
+  _globals['_CLASSIFIER']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

@@ -15,18 +15,24 @@ class Input(_message.Message):
     def __init__(self, text: _Optional[str] = ..., text_pair: _Optional[str] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("task", "inputs", "return_fusion_activations", "strict", "tasks")
+    __slots__ = ("task", "inputs", "return_fusion_activations", "strict", "tasks", "raw_scores", "truncation_direction", "timeout_ms")
     TASK_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FUSION_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     task: str
     inputs: _containers.RepeatedCompositeFieldContainer[Input]
     return_fusion_activations: bool
     strict: bool
     tasks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., return_fusion_activations: _Optional[bool] = ..., strict: _Optional[bool] = ..., tasks: _Optional[_Iterable[str]] = ...) -> None: ...
+    raw_scores: bool
+    truncation_direction: str
+    timeout_ms: int
+    def __init__(self, task: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., return_fusion_activations: _Optional[bool] = ..., strict: _Optional[bool] = ..., tasks: _Optional[_Iterable[str]] = ..., raw_scores: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("label", "score", "scores", "truncated")

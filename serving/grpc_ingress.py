@@ -17,7 +17,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from fusionserve.settings import replica_grpc_host
+
 from . import fusionserve_pb2 as pb
+from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
 from .classify import Classifier, parse_fields
 from .schemas import ClassifyRequest, HTTPError
 
@@ -25,11 +28,13 @@ METHOD = "/fusionserve.v1.Classifier/Classify"
 # the HTTP status of a refusal -> its gRPC code: the caller's mistakes are INVALID_ARGUMENT whatever the HTTP side
 # calls them (the type in the trailer tells them apart), a missing task NOT_FOUND, overload UNAVAILABLE (retry)
 STATUS_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.INVALID_ARGUMENT,
     422: grpc.StatusCode.INVALID_ARGUMENT,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 ERROR_TYPE_KEY = "fusionserve-error-type"
 SERVICE = "fusionserve.v1.Classifier"
@@ -68,7 +73,12 @@ def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
     """The message as the fields of a JSON body: an input without a pair is a plain text; an empty ``task`` or
     ``tasks`` is left out, as a JSON body would leave it out (giving neither, or both, is refused as over HTTP)."""
     inputs: list[Any] = [{"text": i.text, "text_pair": i.text_pair} if i.HasField("text_pair") else i.text for i in msg.inputs]
-    fields: dict[str, Any] = {"inputs": inputs, "return_fusion_activations": msg.return_fusion_activations, "strict": msg.strict}
+    fields: dict[str, Any] = {"inputs": inputs, "return_fusion_activations": msg.return_fusion_activations, "strict": msg.strict,
+                              "raw_scores": msg.raw_scores}  # fmt: skip
+    if msg.truncation_direction:
+        fields["truncation_direction"] = msg.truncation_direction
+    if msg.HasField("timeout_ms"):
+        fields["timeout_ms"] = msg.timeout_ms
     if msg.task:
         fields["task"] = msg.task
     if msg.tasks:
@@ -116,11 +126,17 @@ def decode(raw: bytes | pb.ClassifyRequest) -> pb.ClassifyRequest:
 
 
 async def classify_grpc(
-    core: Classifier, raw: bytes | pb.ClassifyRequest, context: Any, where: dict[str, str]
+    core: Classifier, raw: bytes | pb.ClassifyRequest, context: Any, where: dict[str, str], keys: KeyCheck | None = None
 ) -> pb.ClassifyResponse:
     """One ``Classify`` call on ``core``; a refusal sets the code, details and trailer on ``context`` and answers an
-    empty message (gRPC sends only the status then). ``where`` (replica, node) goes into the trailer as well."""
+    empty message (gRPC sends only the status then). ``where`` (replica, node) goes into the trailer as well. With
+    ``keys``, a call whose ``authorization`` metadata carries none of them is refused UNAUTHENTICATED first."""
     limit = core.limits.max_body_bytes
+    if keys is not None and not keys.allows(grpc_authorization(context.invocation_metadata() if context else ())):
+        core.stats.observe_rejected(UNAUTHORIZED.reason)
+        core.stats.observe_request("-", UNAUTHORIZED.status, 0.0)
+        _refuse(context, UNAUTHORIZED, where)
+        return pb.ClassifyResponse()
 
     async def read() -> ClassifyRequest:
         size = len(raw) if isinstance(raw, bytes) else raw.ByteSize()
@@ -129,13 +145,40 @@ async def classify_grpc(
         return parse_fields(request_fields(decode(raw)))
 
     outcome = await core(read, METHOD)
-    trailer = [(f"fusionserve-{k}", v) for k, v in where.items()]
     if isinstance(outcome, HTTPError):
-        if context is not None:
-            context.set_code(grpc_code(outcome.status))
-            context.set_details(outcome.message)
-            context.set_trailing_metadata([(ERROR_TYPE_KEY, outcome.reason), *trailer])
+        _refuse(context, outcome, where)
         return pb.ClassifyResponse()
     if context is not None:
-        context.set_trailing_metadata(trailer)
+        context.set_trailing_metadata([(f"fusionserve-{k}", v) for k, v in where.items()])
     return response_message(outcome, lambda task: core.artifact.tasks[task].labels)
+
+
+def bind_replica_grpc() -> None:
+    """In a replica: bind Serve's gRPC server of this replica (HAProxy's gRPC target, which it reaches on 127.0.0.1
+    on its own node) to ``replica_grpc_host()`` instead of every interface. Ray 2.60 writes ``[::]:PORT`` into
+    ``grpc_util.start_grpc_server`` and takes ``add_grpc_address`` from ``serve._private.default_impl`` when it
+    starts the server, after the replica's constructor: this patches that one function in this process (a private
+    API; nothing else binds through it in a replica). No-op without the setting."""
+    host = replica_grpc_host()
+    if host is None:
+        return
+    from ray.serve._private import default_impl
+
+    original = default_impl.add_grpc_address
+    if getattr(original, "__wrapped__", None) is not None:  # patched already (a second replica in this process)
+        return
+
+    def add_grpc_address(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = f"{host}:{address[len('[::]:') :]}"
+        return original(server, address)
+
+    add_grpc_address.__wrapped__ = original  # type: ignore[attr-defined]
+    default_impl.add_grpc_address = add_grpc_address
+
+
+def _refuse(context: Any, refusal: HTTPError, where: dict[str, str]) -> None:
+    if context is not None:
+        context.set_code(grpc_code(refusal.status))
+        context.set_details(refusal.message)
+        context.set_trailing_metadata([(ERROR_TYPE_KEY, refusal.reason), *((f"fusionserve-{k}", v) for k, v in where.items())])

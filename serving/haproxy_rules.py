@@ -10,6 +10,9 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
   JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
+The wrapper also starts HAProxy with a parent-death signal (``setpriv --pdeathsig KILL``, where util-linux is
+there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/supervise.py).
+
 Only for the HAProxy of a server started here or with ``ingress_env`` (a Ray cluster's nodes are started with
 ``node_env``, without it).
 """

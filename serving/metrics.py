@@ -95,6 +95,12 @@ class Metrics:
         self.rejected = Counter(
             "fusionserve_rejected_requests_total", "Requests refused before the model, by reason", ["reason"], registry=r
         )
+        self.dropped = Counter(
+            "fusionserve_dropped_requests_total",
+            "Requests dropped before the model ran them, by reason: deadline_exceeded (still waiting at their deadline), "
+            "client_disconnected (their caller went away; rows already in a running batch finish)",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.act_sum = Counter(
             f"{_ACT_SUM}_total", "Sum over served inputs of an adapter's mean fusion weight in a layer",
             ["task", "layer", "adapter"], registry=r,
@@ -124,6 +130,9 @@ class Metrics:
 
     def observe_rejected(self, reason: str) -> None:
         self._child(self.rejected, reason).inc()
+
+    def observe_dropped(self, reason: str) -> None:
+        self._child(self.dropped, reason).inc()
 
     def observe_batch(self, batch: BatchStats, adapters: Callable[[str], tuple[str, ...]]) -> None:
         """One model call: called once per batch, not per request. A batch may mix tasks: its size, tokens, time and

@@ -46,12 +46,19 @@ OPTIONS: dict[str, Option] = {
     "body_timeout_s": _opt(10.0, lambda v: 0 < v <= 3600, "0..3600"),
     "threads": _opt(None, lambda v: v >= 1, ">= 1", optional=True),  # default: the machine's CPUs / (max) replicas
     "gpus_per_replica": _opt(None, lambda v: 0 < v <= 8, "0..8", optional=True),
+    # the environment variable holding the API key(s) in every replica's process (never the key itself: see
+    # serving/auth.py); set, every model route asks for a key, and a replica without one refuses to start
+    "api_key_env": _opt(None, lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) is not None, "a variable name", True),
+    "open_metrics": _opt(True, lambda v: isinstance(v, bool), "true or false"),  # false: /metrics asks for the key too
+    # TEI's POST /predict and the Inference API's POST / answer for this task (checked against the artifact's tasks)
+    "default_task": _opt(None, lambda v: 0 < len(v) <= MAX_TASK_NAME_CHARS, "a task name", optional=True),
 }
 MAX_BODY_BYTES_CAP = 2**30  # gRPC's message limit must stay under 2 GiB (a signed 32-bit length)
 
 # --- fixed request limits, the same over HTTP and gRPC ------------------------------------------------------------
 MAX_TASK_NAME_CHARS = 128  # a task name in a request (an artifact's names are short identifiers)
 MAX_TASKS_PER_REQUEST = 64  # names in "tasks"
+MAX_TIMEOUT_MS = 3_600_000  # the longest deadline a request may give (timeout_ms, X-Request-Timeout-Ms): an hour
 MAX_ERROR_CHARS = 1000  # an error message (HTTP body, gRPC details: HTTP/2 trailers are limited to ~8 KB)
 # a text is cut at (token limit x this) characters before it is tokenized: far above what the kept tokens need (a
 # WordPiece token covers ~4-5 characters of English, a word longer than 100 characters is one [UNK]), so the cut

@@ -54,3 +54,13 @@ def label_scores(labels: Sequence[str], logits: np.ndarray) -> list[tuple[str, f
         best = int(np.argmax(p))
         out.append((labels[best], round(float(p[best]), 6), {lab: round(float(v), 6) for lab, v in zip(labels, p, strict=True)}))
     return out
+
+
+def label_logits(labels: Sequence[str], logits: np.ndarray) -> list[tuple[str, float, dict[str, float]]]:
+    """Per row: the winning label, its logit, and every label's logit, unrounded (``raw_scores``): what
+    ``label_scores`` gives, before the softmax."""
+    out = []
+    for row in np.asarray(logits, dtype=np.float64):
+        best = int(np.argmax(row))
+        out.append((labels[best], float(row[best]), {lab: float(v) for lab, v in zip(labels, row, strict=True)}))
+    return out

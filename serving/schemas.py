@@ -2,11 +2,21 @@
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError, model_validator
 
-from .options import MAX_TASK_NAME_CHARS, MAX_TASKS_PER_REQUEST, MEANINGFUL, bounded, check_ranges, default
+from .options import (
+    MAX_TASK_NAME_CHARS,
+    MAX_TASKS_PER_REQUEST,
+    MAX_TIMEOUT_MS,
+    MEANINGFUL,
+    bounded,
+    check_ranges,
+    default,
+)
+
+TIMEOUT_HEADER = "x-request-timeout-ms"
 
 # a text must hold something the tokenizer keeps: whitespace, control and zero-width characters alone are refused
 Text = Annotated[str, StringConstraints(strict=True, min_length=1, pattern=MEANINGFUL)]
@@ -33,6 +43,22 @@ class ClassifyRequest(BaseModel):
         False, description="add per input the fusion weights per layer and adapter, averaged over its tokens"
     )
     strict: StrictBool = Field(False, description="refuse (413) an input over the token limit instead of truncating it")
+    raw_scores: StrictBool = Field(
+        False, description="'score' and 'scores' hold the model's logits, unrounded, instead of rounded probabilities"
+    )
+    truncation_direction: Literal["right", "left"] = Field(
+        "right",
+        description="where an input over the token limit is cut: 'right' keeps its first tokens, 'left' its last "
+        "([CLS] and [SEP] kept; a pair loses tokens from whichever text is longer, at that side)",
+    )
+    timeout_ms: int | None = Field(
+        None,
+        strict=True,
+        ge=1,
+        le=MAX_TIMEOUT_MS,
+        description="deadline in ms from arrival (or the X-Request-Timeout-Ms header; the earlier counts): a request "
+        "still waiting for the model then is dropped and answered 504 deadline_exceeded",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_name_tasks(self) -> "ClassifyRequest":
@@ -50,8 +76,8 @@ class ClassifyRequest(BaseModel):
 
 class Prediction(BaseModel):
     label: str
-    score: float
-    scores: dict[str, float]
+    score: float = Field(description="the label's probability (its logit with raw_scores)")
+    scores: dict[str, float] = Field(description="every label's probability (logit with raw_scores), in label order")
     truncated: bool = Field(False, description="the input was cut to the token limit")
 
 
@@ -96,6 +122,20 @@ class HTTPError(Exception):
         message = bounded(message)  # whatever it echoes, a refusal stays short (gRPC sends it in a trailer)
         super().__init__(message)
         self.status, self.reason, self.message = status, reason, message
+
+
+def timeout_header(value: str | None) -> int | None:
+    """The ``X-Request-Timeout-Ms`` header's deadline. Raises HTTPError 422 for anything but a whole number of
+    milliseconds 1..MAX_TIMEOUT_MS (named, the value shown cut short)."""
+    if value is None:
+        return None
+    if value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_TIMEOUT_MS:
+        return int(value)
+    raise HTTPError(
+        422,
+        "invalid_request",
+        f"X-Request-Timeout-Ms: must be a whole number of milliseconds 1..{MAX_TIMEOUT_MS}, got {value!r:.40}",
+    )
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -14,7 +14,7 @@ import yaml
 from fusionserve import __version__
 
 from .artifact import MANIFEST, load_artifact, sha256
-from .builder import IMPORT_PATH, SERVICER, AppArgs
+from .builder import IMPORT_PATH, SERVICER, AppArgs, check_artifact
 from .ingress import node_env
 from .server import APP_NAME, ServerConfig
 
@@ -24,6 +24,7 @@ def config(cfg: ServerConfig) -> dict[str, Any]:
     written for an artifact that exists, at the path every node will read it from."""
     artifact = load_artifact(cfg.artifact)
     args = cfg.app_args(artifact_sha256=sha256(artifact.folder / MANIFEST))
+    check_artifact(args)  # what the builder would refuse (a default task the artifact lacks), refused here already
     defaults = AppArgs(artifact=args.artifact)
     # only what differs from the builder's defaults, so the file shows what was chosen (artifact always)
     chosen = {k: v for k, v in args.model_dump().items() if k == "artifact" or v != getattr(defaults, k)}
@@ -48,4 +49,9 @@ def render(cfg: ServerConfig) -> str:
         f"# Start every Ray node with the {cfg.ingress} ingress's settings (Ray reads them when its processes start):",
         f"#   {env} ray start ...",
     ]
+    if cfg.app.api_key_env:  # the config names the variable; the key itself is in no file
+        header.append(
+            f"# Every node's environment must hold the API key(s) in ${cfg.app.api_key_env} (KubeRay: from a Secret, see "
+            "deploy/); replicas without it refuse to start."
+        )
     return "\n".join(header) + "\n" + yaml.safe_dump(config(cfg), sort_keys=False)

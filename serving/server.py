@@ -17,6 +17,7 @@ from typing import Any
 import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
+from fusionserve.settings import REPLICA_GRPC_HOST_ENV
 
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
@@ -28,6 +29,7 @@ from .supervise import descendants, end_run, exit_with, new_run_folder, reap_sta
 
 __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
 APP_NAME = "fusionserve"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
 _ingress_dir: str | None = None  # the run folder (serving/supervise.py): HAProxy's config, socket and state files
 _deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
@@ -82,32 +84,19 @@ def start(
     run_folder: Path | None = None,
 ) -> str:
     """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port (and the gRPC port), and deploy the builder's
-        application; returns the base URL. Where Serve already runs on the joined cluster it keeps its ports, so --port
-        (and --grpc-port) must be the ones it listens on, and the port check leaves them to the node's ingress that holds
-        them. ``say`` gets one line per step; ``after_ray`` runs as soon as Ray is up (Ray's start-up puts its own
-        signal handlers in; serve_forever puts its own back there). ``run_folder``: this run's (default a new one), where
-    HAProxy's and the metrics' files go; run folders left by servers that are gone are reaped first. Raises FusionServeError (port taken, a port other
-        than the running Serve's, an application already deployed on the cluster without ``cfg.replace``, an unusable
-        artifact or device, a loopback --host on a cluster of several machines) or ClusterError (Ray does not start)."""
+    application; returns the base URL. Where Serve already runs on the joined cluster it keeps its ports, so --port
+    (and --grpc-port) must be the ones it listens on, and the port check leaves them to the node's ingress that holds
+    them. ``say`` gets one line per step; ``after_ray`` runs as soon as Ray is up (Ray's start-up puts its own
+    signal handlers in; serve_forever puts its own back there). ``run_folder``: this run's (default a new one), where
+    HAProxy's and the metrics' files go; run folders left by servers that are gone are reaped first. Raises
+    FusionServeError (port taken, a port other than the running Serve's, an application already deployed on the
+    cluster without ``cfg.replace``, an unusable artifact or device, a loopback --host on a cluster of several
+    machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir, _deployed
-    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
-        raise ModuleNotFoundError("No module named 'ray'", name="ray")
-    # a missing artifact or CUDA provider, or a taken port, fails before Ray starts (joining a cluster, a taken port
-    # is judged once Serve's own ports there are known); how many GPUs there are, Ray tells
-    artifact = load_artifact(cfg.artifact, verify=False)
-    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
-    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
-    make_session(
-        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    )
-    resolve_device(cfg.app.device)
-    reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
-    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    artifact, held = _check_before_ray(cfg)
     address = os.environ.get("RAY_ADDRESS")
-    if not address:  # a Ray of our own runs no Serve yet: whatever holds a port is not ours to share
-        _refuse_held(cfg.host, held)
     _ingress_dir = str(run_folder or new_run_folder())
-    os.environ.update(_ray_env(cfg, Path(_ingress_dir)))  # read by Ray's processes when they start
+    _set_ray_env(cfg, Path(_ingress_dir), local=not address)
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -140,10 +129,33 @@ def start(
     return url
 
 
-def _ray_env(cfg: ServerConfig, folder: Path) -> dict[str, str]:
-    """The ingress's settings (HAProxy's files in ``folder``, its body timeout) and the gRPC message limit of Serve's
-    proxy: what Ray's processes read when they start."""
-    return ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
+def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
+    """What fails before Ray starts: no Ray, a missing or unreadable artifact, a missing CUDA provider, a taken port
+    (joining a cluster, a taken port is judged once Serve's own ports there are known; how many GPUs there are, Ray
+    tells). Returns the artifact and the ports held (port -> holder)."""
+    if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+    artifact = load_artifact(cfg.artifact, verify=False)
+    # the graph is loaded once here, as predict loads it: a model.onnx ONNX Runtime cannot read (corrupt, yet with the
+    # manifest's checksum) is one line now, not a replica's traceback from Ray after its start-up timeout
+    make_session(
+        artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    resolve_device(cfg.app.device)
+    reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
+    held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
+    if not os.environ.get("RAY_ADDRESS"):  # a Ray of our own runs no Serve yet: whatever holds a port is not ours
+        _refuse_held(cfg.host, held)
+    return artifact, held
+
+
+def _set_ray_env(cfg: ServerConfig, folder: Path, local: bool) -> None:
+    """The settings Ray's processes read when they start: the ingress's (HAProxy's files in ``folder``), Serve's
+    proxy's gRPC message limit, and, for a Ray of our own with a loopback --host, the replicas' own gRPC server on
+    loopback too (Serve's is every interface; 127.0.0.1 is where HAProxy reaches its own node's replicas)."""
+    os.environ.update(ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
+    if local and cfg.host in LOOPBACK:
+        os.environ[REPLICA_GRPC_HOST_ENV] = "127.0.0.1"
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
@@ -155,7 +167,7 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
     """Every node's ingress (HAProxy, or Serve's proxy) reaches replicas on other machines at their node address, and
     the replicas listen on ``--host``: a loopback address would leave them unreachable from the other machines."""
     addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-    if len(addresses) > 1 and host in ("127.0.0.1", "localhost", "::1"):
+    if len(addresses) > 1 and host in LOOPBACK:
         raise FusionServeError(
             f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
@@ -236,8 +248,9 @@ def _delete_if_ours(serve: Any) -> None:
 
 
 def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
-    """Return once the port answers the application's own route: the replicas report ready before the ingress
-    (HAProxy) has its routes, and until then it answers 404. Raises FusionServeError after ``timeout_s``."""
+    """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
+    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises
+    FusionServeError after ``timeout_s``."""
     import urllib.error
     import urllib.request
 
@@ -249,6 +262,10 @@ def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
             with urllib.request.urlopen(probe, timeout=5) as resp:
                 if resp.status == 200:
                     return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:  # the application answered: it asks for its API key
+                return
+            last = str(exc)
         except (urllib.error.URLError, OSError) as exc:
             last = str(exc)
         time.sleep(0.2)

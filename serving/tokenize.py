@@ -48,11 +48,20 @@ class Encoded:
         return Encoded(cut(self.input_ids), cut(self.attention_mask), cut(self.token_type_ids), [self.truncated[i] for i in idx])
 
 
+TRUNCATION_DIRECTIONS = ("right", "left")  # the first is the default
+
+
 class Encoder:
     """Batch tokenizer: pairs encoded as pairs, ``longest_first`` truncation to ``max_length``, padding to the
     longest sequence in the batch (not to max_length). Every text is first cut at ``max_chars`` characters (the one
     place a text is bounded before it is tokenized: ``max_length`` x CHARS_PER_TOKEN_BUDGET), so a text of any length
-    costs what that many characters cost; an input so cut is reported truncated."""
+    costs what that many characters cost; an input so cut is reported truncated.
+
+    Truncation cuts the end of a text (``direction="right"``, the default) or its start (``"left"``: the last
+    tokens are kept, as in dialogue and logs where the newest text matters most). Either way [CLS] and [SEP] are
+    kept, and a pair is cut as ``longest_first`` cuts it: one token at a time from whichever text is longer at that
+    moment, from that text's end ("right") or its start ("left"). The character cut before tokenizing keeps the same
+    side: a text's first ``max_chars`` characters, or with "left" its last."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int, pad_token: str = "[PAD]") -> None:
         if max_length < 3:
@@ -67,11 +76,15 @@ class Encoder:
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.no_truncation()
         self._plain.no_padding()
-        self._tok = Tokenizer.from_str(tokenizer.to_str())
-        self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
-        self._unpadded = Tokenizer.from_str(self._tok.to_str())
-        self._unpadded.no_padding()
-        self._tok.enable_padding(pad_id=pad_id, pad_token=pad_token)  # no length: pad to the batch's longest
+        self._tok: dict[str, Tokenizer] = {}  # direction -> truncating, padding to the batch's longest
+        self._unpadded: dict[str, Tokenizer] = {}  # direction -> truncating, not padding
+        for direction in TRUNCATION_DIRECTIONS:
+            tok = Tokenizer.from_str(tokenizer.to_str())
+            tok.enable_truncation(max_length=max_length, strategy="longest_first", direction=direction)
+            self._unpadded[direction] = Tokenizer.from_str(tok.to_str())
+            self._unpadded[direction].no_padding()
+            tok.enable_padding(pad_id=pad_id, pad_token=pad_token)  # no length: pad to the batch's longest
+            self._tok[direction] = tok
 
     @classmethod
     def from_file(cls, path: Path, max_length: int, pad_token: str = "[PAD]") -> Encoder:
@@ -91,10 +104,12 @@ class Encoder:
         """Per input: a text of it is longer than ``max_chars`` characters, so only its start is tokenized."""
         return [len(i.text) > self.max_chars or len(i.text_pair or "") > self.max_chars for i in inputs]
 
-    def encode(self, inputs: Sequence[TextInput]) -> Encoded:
+    def encode(self, inputs: Sequence[TextInput], direction: str = "right") -> Encoded:
+        """``inputs`` as one padded batch, truncated from ``direction`` (see the class). Raises ValueError for no
+        inputs or an unknown direction."""
         if not inputs:
             raise ValueError("nothing to encode")
-        encs = self._tok.encode_batch([self._item(i) for i in inputs])
+        encs = self._pick(self._tok, direction).encode_batch([self._item(i, direction) for i in inputs])
         return Encoded(
             input_ids=np.asarray([e.ids for e in encs], dtype=np.int64),
             attention_mask=np.asarray([e.attention_mask for e in encs], dtype=np.int64),
@@ -102,18 +117,27 @@ class Encoder:
             truncated=[len(e.overflowing) > 0 or cut for e, cut in zip(encs, self.cut(inputs), strict=True)],
         )
 
-    def tokens(self, inputs: Sequence[TextInput]) -> list[Tokens]:
+    def tokens(self, inputs: Sequence[TextInput], direction: str = "right") -> list[Tokens]:
         """Each input's tokens, truncated like ``encode`` but not padded (``pad`` makes a batch of them)."""
-        encs = self._unpadded.encode_batch([self._item(i) for i in inputs])
+        encs = self._pick(self._unpadded, direction).encode_batch([self._item(i, direction) for i in inputs])
         return [
             Tokens(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64), len(e.overflowing) > 0 or cut)
             for e, cut in zip(encs, self.cut(inputs), strict=True)
         ]
 
-    def _item(self, i: TextInput) -> str | tuple[str, str]:
-        """The input as the tokenizer takes it, each text cut at ``max_chars`` characters."""
-        text = i.text[: self.max_chars]
-        return text if i.text_pair is None else (text, i.text_pair[: self.max_chars])
+    @staticmethod
+    def _pick(tokenizers: dict[str, Tokenizer], direction: str) -> Tokenizer:
+        tok = tokenizers.get(direction)
+        if tok is None:
+            raise ValueError(f"truncation direction {direction!r} is not known; allowed: {', '.join(TRUNCATION_DIRECTIONS)}")
+        return tok
+
+    def _item(self, i: TextInput, direction: str = "right") -> str | tuple[str, str]:
+        """The input as the tokenizer takes it, each text cut at ``max_chars`` characters: its first ones, or with
+        ``direction`` "left" its last ones (the side truncation keeps)."""
+        keep = slice(-self.max_chars, None) if direction == "left" else slice(None, self.max_chars)
+        text = i.text[keep]
+        return text if i.text_pair is None else (text, i.text_pair[keep])
 
     def pad(self, rows: Sequence[Tokens], length: int | None = None) -> Encoded:
         """``rows`` as one batch padded on the right to ``length`` (default: the longest row): what ``encode`` gives

@@ -21,6 +21,7 @@ from fusionserve.cli.main import main
 from fusionserve.serving import serve_config
 from fusionserve.serving.builder import IMPORT_PATH, SERVICER, AppArgs
 from fusionserve.serving.ingress import node_env
+from fusionserve.settings import API_KEY_ENV
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 VARIANTS = {"cpu": "serve-config.yaml", "gpu": "serve-config-gpu.yaml"}
@@ -151,6 +152,8 @@ def test_pods_start_ray_with_the_ingress_settings_and_workers_are_ready_on_ready
     for name, template in _templates(doc):
         (container,) = template["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
+        key = next(e for e in container["env"] if e["name"] == API_KEY_ENV)  # from a Secret, never written here
+        assert set(key) == {"name", "valueFrom"} and key["valueFrom"]["secretKeyRef"]["name"] == "fusionserve-api-key"
         assert set(wanted) <= set(env), f"{name} misses {set(wanted) - set(env)}"
         # Ray's token authentication on every pod, the token from a Secret (not written in the manifest)
         token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
@@ -183,6 +186,7 @@ def _command(text: str) -> list[str]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_serve_config_is_what_print_config_writes_for_the_command_it_names(variant, monkeypatch):
     text = (DEPLOY / VARIANTS[variant]).read_text()
+    monkeypatch.setenv(API_KEY_ENV, "any-key")  # the header's command runs with the key in the environment
     argv = _command(text)
     assert argv[:2] == ["serve", "/artifact"] and argv[-1] == "--print-config"
     # /artifact exists only inside the image: the config needs of it only its manifest's sha256, left out of the file

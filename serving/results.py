@@ -1,0 +1,70 @@
+"""What the batching scheduler reports: a request's result, and one model call's figures for the metrics (a batch may
+mix tasks). Plain data, no threads: ``batching.py`` makes them, the deployment and the metrics read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TaskShare:
+    """One task's rows in a batch."""
+
+    inputs: int
+    truncated: int
+    activation_sums: np.ndarray | None  # (layers, task adapters): its rows' per-input token means, summed
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What one model call did, for the metrics."""
+
+    inputs: int
+    requests: int  # requests with a row in this batch
+    tokens: int  # batch x padded length (the bucket's, when the runner buckets): what the model computed over
+    model_ms: float
+    truncated: int
+    tasks: dict[str, TaskShare]  # the batch's mix
+
+    @property
+    def task(self) -> str:
+        """The batch's task when it holds one (the mixed ones: "mixed")."""
+        return next(iter(self.tasks)) if len(self.tasks) == 1 else "mixed"
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    logits: np.ndarray  # (inputs, num_labels), label-id order
+    activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens; fusion only
+
+
+@dataclass(frozen=True)
+class JobResult:
+    tasks: dict[str, TaskResult]  # in the order asked for
+    truncated: list[bool]  # per input
+    queue_ms: float  # arrival -> the first batch that took one of its rows
+    batches: int  # how many model calls its rows went through
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The first (for a one-task request: the) task's logits."""
+        return next(iter(self.tasks.values())).logits
+
+    @property
+    def activations(self) -> np.ndarray | None:
+        return next(iter(self.tasks.values())).activations
+
+
+def shares(tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool]) -> dict[str, TaskShare]:
+    """Per task of a batch's rows (in order: their tasks, fusion activation means, truncation flags): its share."""
+    out: dict[str, list[Any]] = {}
+    for task, a, cut in zip(tasks, acts, truncated, strict=True):
+        slot = out.setdefault(task, [0, 0, None])
+        slot[0] += 1
+        slot[1] += int(cut)
+        if a is not None:
+            slot[2] = a.copy() if slot[2] is None else slot[2] + a
+    return {t: TaskShare(n, cut, sums) for t, (n, cut, sums) in out.items()}
