@@ -1,6 +1,6 @@
 """int8 in every GEMM (issue 28): SmoothQuant and static QDQ against today's int8, on the built-in model's targets.
 
-    python -m benchmarks.int8_smooth [--alphas 0.5 0.75] [--workdir DIR] [--no-record]
+    python -m benchmarks.int8_smooth [--alphas 0.5 0.75] [--workdir DIR] [--no-record] [--only VARIANT ...]
 
 Every variant is quantized from one validated fp32 artifact of the built-in model (11 tasks, 64 tokens; exported
 as its first start does) by ``models.int8_copy``, i.e. exactly as ``export --precision int8`` quantizes and gates,
@@ -79,7 +79,7 @@ def _cached(path: Path, make: Any) -> np.ndarray:
     return np.load(path)
 
 
-def run(work: Path, alphas: list[float]) -> dict[str, Any]:
+def run(work: Path, alphas: list[float], only: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.models import int8_copy
     from fusionserve.cli.default import DEFAULT_MODEL, SPEC_FILE
     from fusionserve.export.artifact import export_artifact
@@ -99,6 +99,11 @@ def run(work: Path, alphas: list[float]) -> dict[str, Any]:
     want = {k: _cached(work / "logits" / f"fp32.{k[0]}.{k[1]}.npy", lambda k=k: _logits(ref, k[0], data[k])) for k in data}
     result: dict[str, Any] = {"calibration_rows": len(rows), "variants": {}}
     for name, options in variants(alphas, str(cal)).items():
+        done = work / "results" / f"{folder_name(name).replace('=', '')}.json"
+        if only and name not in only:
+            if done.is_file():  # measured by another process (--only): several run side by side on a shared machine
+                result["variants"][name] = json.loads(done.read_text())
+            continue
         print(f"== {name}", file=sys.stderr)
         folder = int8_copy(fp32, work / folder_name(name).replace("=", ""), spec, options)
         record_ = load_artifact(folder).manifest["int8"]
@@ -118,6 +123,8 @@ def run(work: Path, alphas: list[float]) -> dict[str, Any]:
             "quantized": record_["quantization"]["quantized"],
             "smoothing": record_.get("smoothing"),
         }
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(json.dumps(result["variants"][name]))
         print(name, json.dumps(figures), file=sys.stderr, flush=True)
     return result
 
@@ -186,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench" / "int8_smooth")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
+    p.add_argument("--only", nargs="+", metavar="VARIANT", help="measure only these variants (kept for the full run)")
     args = p.parse_args(argv)
     command = ("python -m benchmarks.int8_smooth " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    result = run(args.workdir, args.alphas)
+    result = run(args.workdir, args.alphas, args.only)
+    if args.only:  # a part of the comparison: the run without --only gathers every part and records
+        return 0
     text = markdown(result, command)
     data = {"command": command, "machine": machine(), "result": result}
     record(

@@ -10,14 +10,15 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``plain (PyTorch eager)``: the same backbone + head in PyTorch eager, to show what the runtime itself gives
 - ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
-- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (weights one scale per output column,
-  the FFN output GEMMs left in fp32)
+- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (``DEFAULT_OPTIONS``: weights one scale
+  per output column, QKV and FFN-in smoothed, the FFN output GEMMs left in fp32)
 - ``fusion N=8 int8 every GEMM (ORT)``: the same with the FFN output GEMMs quantized too (the default before; what
   leaving them in fp32 costs in time)
-- ``fusion N=8 int8 every GEMM smoothed (ORT)``: the same after SmoothQuant (export/smooth.py: a per-channel Mul
-  before QKV, the FFN's GEMMs, the attention output's inverse folded into V)
+- ``fusion N=8 int8 every GEMM smoothed (ORT)``: the same after SmoothQuant (export/smooth.py) of the default roles:
+  a per-channel Mul before QKV and before the FFN's first GEMM
 - ``fusion N=8 int8 static QDQ (ORT)`` / ``... smoothed``: every MatMul quantized statically (QDQ, calibrated scales,
-  per-channel weights; no int8 Attention in ONNX Runtime's QDQ), without and with smoothing
+  per-channel weights; no int8 Attention in ONNX Runtime's QDQ), without and with smoothing (of every role it
+  quantizes: attention output, FFN in, FFN out)
 - all but the first are measured, not necessarily shipped; their gate is switched off here: benchmarks/int8.py
   measures what they do to labels (INT8_VARIANTS names them)
 - ``fusionserve eager N``: the same folded model in PyTorch eager
@@ -88,14 +89,14 @@ def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path
     are random; timings do not depend on the scales)."""
     from dataclasses import replace
 
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
+    from fusionserve.export.quantize import DEFAULT_OPTIONS, ROLES, Int8Gate, Int8Options
 
-    every = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0), smooth_alpha=None)
+    every = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0), smooth_alpha=None, smooth_roles=ROLES)
     alpha = DEFAULT_OPTIONS.smooth_alpha if DEFAULT_OPTIONS.smooth_alpha is not None else 0.5
     options = {
         "n8-int8": DEFAULT_OPTIONS,
         "n8-int8-all": every,
-        "n8-int8-all-sm": replace(every, smooth_alpha=alpha),
+        "n8-int8-all-sm": replace(every, smooth_alpha=alpha, smooth_roles=DEFAULT_OPTIONS.smooth_roles),
         "n8-int8-static": replace(every, method="static"),
         "n8-int8-static-sm": replace(every, method="static", smooth_alpha=alpha),
     }

@@ -95,7 +95,9 @@ def _manifest(
     }
 
 
-def _check_options(precision: str, opset: int, out: Path, force: bool) -> None:
+def _check_options(precision: str, opset: int, out: Path, force: bool, parity_grid: str) -> None:
+    if parity_grid not in GRIDS:
+        raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     if precision not in PRECISIONS:
         raise FusionServeError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
     if not 7 <= opset <= 23:
@@ -234,9 +236,7 @@ def export_artifact(
     Runtime disagrees with PyTorch beyond the tolerance), Int8GateError (the int8 graph departs from the fp32 one
     beyond the gate) or FusionServeError (bad options, existing folder). ``live``: tasks beside the graph (live.py)."""
     out = Path(out).resolve()
-    _check_options(precision, opset, out, force)
-    if parity_grid not in GRIDS:
-        raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
+    _check_options(precision, opset, out, force, parity_grid)
     step = _Steps(progress, 8 if precision == "int8" else 6)
     try:
         spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)

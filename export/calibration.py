@@ -118,3 +118,13 @@ def with_types(src: Path, dst: Path) -> Path:
     graph.graph.value_info.extend(onnx.helper.make_tensor_value_info(name, t, None) for name, t in types.items())
     onnx.save(graph, str(dst), save_as_external_data=src.stat().st_size > 1_800_000_000)
     return dst
+
+
+class FeedReader:
+    """onnxruntime.quantization's CalibrationDataReader over a list of feeds (static quantization's calibration)."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self._feeds = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._feeds, None)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .calibration import Calibration, calibration_inputs, with_types
+from .calibration import Calibration, FeedReader, calibration_inputs, with_types
 from .gemm_roles import DEFAULT_FP32_ROLES, DEFAULT_METHOD, DEFAULT_SMOOTH_ALPHA, DEFAULT_SMOOTH_ROLES, METHODS, ROLES
 from .int8_describe import ADAPTER_NODES, KEPT_FP32, QUANTIZED_OPS, describe
 from .model import FusionModel
@@ -188,7 +188,7 @@ def quantize_graph(
                 if calibration is None:
                     raise ValueError("static quantization needs calibration rows")
                 wanted = {i.name for i in before.graph.input}
-                reader = _Reader([{k: v for k, v in f.items() if k in wanted} for f in calibration.feeds])
+                reader = FeedReader([{k: v for k, v in f.items() if k in wanted} for f in calibration.feeds])
                 typed = with_types(src, dst.with_name("typed.onnx"))
                 try:
                     quantize_static(
@@ -203,16 +203,6 @@ def quantize_graph(
         finally:
             logging.disable(logging.NOTSET)
     return describe(before, nodes, onnx.load(str(dst)), options)
-
-
-class _Reader:
-    """onnxruntime.quantization's CalibrationDataReader over a list of feeds."""
-
-    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
-        self._feeds = iter(feeds)
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._feeds, None)
 
 
 def quantizable(graph: onnx.ModelProto, options: Int8Options = DEFAULT_OPTIONS) -> list[str]:
@@ -369,20 +359,19 @@ def int8_graph(
     from fusionserve.serving.artifact import MODEL_FILE
     from fusionserve.serving.runtime import make_session
 
-    from .smooth import check_smoothed, smooth_graph
+    from .smooth import smooth_checked
     from .validate import count_cases
 
     src, dst = work / MODEL_FILE, work / "int8.onnx"
     backbone = (model.backbone.arch.name, model.backbone.n_layers)
     record: dict[str, Any] = {}
-    calibration = None
+    calibration: Any = None
     if options.smooth_alpha is not None or options.method == "static":
         calibration = calibration_inputs(model, max_seq_len, options.calibration, encoder)
         for feed in calibration.feeds:  # a live graph's task tables (WithTables) are inputs too
             feed.update(getattr(fp32, "tables", {}))
     graph = src
     if options.smooth_alpha is not None:
-        assert calibration is not None
         before = onnx.load(str(src), load_external_data=False)
         roles = backbone_roles(before)
         check_roles(roles, *backbone)  # the GEMMs to smooth are found by role, as those left in fp32
@@ -393,16 +382,7 @@ def int8_graph(
             if roles.get(n, (0, ""))[1] in options.smooth_roles and not (options.method == "static" and n in attention)
         ]
         graph = work / "smoothed.onnx"
-        record["smoothing"] = smooth_graph(src, graph, nodes, options.smooth_alpha, calibration)
-        cases = [
-            {**feeds, "task_id": task_id}
-            for _, task_id, c in _gate_runs(model, max_seq_len, {"task_id"})[:1]
-            for _, _, feeds in c
-        ]
-        cases += [{**feeds, "task_id": ids} for ids, (_, _, feeds) in mixed_cases(model, max_seq_len)]
-        smoothed = getattr(fp32, "like", lambda s: s)(make_session(graph, device="cpu"))
-        record["smoothing"]["fp32_max_abs_diff"] = check_smoothed(smoothed, fp32, cases)
-        del smoothed
+        record["smoothing"] = smooth_checked(src, graph, nodes, options.smooth_alpha, calibration, fp32, model, max_seq_len)
     record["quantization"] = quantize_graph(graph, dst, options, backbone, calibration)
     if calibration is not None and options.method == "static":
         record["quantization"]["calibration"] = calibration.describe()

@@ -30,7 +30,8 @@ import onnx
 from onnx import numpy_helper
 
 from .calibration import Calibration
-from .validate import ParityError
+from .model import FusionModel
+from .validate import ParityError, grid_inputs, mixed_cases
 
 SMOOTH_TOLERANCE = 1e-5  # max |smoothed fp32 - original fp32| on any output, logits and fusion activations
 SCALE_BOUNDS = (1e-5, 1e5)  # s is clipped to these: a dead channel (max 0) must not divide by zero
@@ -191,3 +192,25 @@ def check_smoothed(smoothed: object, original: object, cases: list[dict[str, np.
     if bad:
         raise SmoothingError("the smoothed fp32 graph departs from the original; nothing quantized:\n" + "\n".join(bad))
     return max(worst.values())
+
+
+def smooth_checked(
+    src: Path,
+    dst: Path,
+    nodes: list[str],
+    alpha: float,
+    calibration: Calibration,
+    fp32: object,
+    model: FusionModel,
+    max_seq_len: int,
+) -> dict[str, Any]:
+    """``smooth_graph``, then ``check_smoothed`` against the original's session ``fp32`` over the validation grid (the
+    first task) and the batches mixing every task row by row; the record gets the max |diff|. Raises SmoothingError."""
+    from fusionserve.serving.runtime import make_session
+
+    record = smooth_graph(src, dst, nodes, alpha, calibration)
+    first = np.zeros(1, dtype=np.int64)
+    cases = [{**f, "task_id": first} for _, _, f in grid_inputs(model.backbone.vocab_size, max_seq_len)]
+    cases += [{**f, "task_id": ids} for ids, (_, _, f) in mixed_cases(model, max_seq_len)]
+    record["fp32_max_abs_diff"] = check_smoothed(getattr(fp32, "like", lambda s: s)(make_session(dst, device="cpu")), fp32, cases)
+    return record

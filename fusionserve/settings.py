@@ -14,12 +14,20 @@ import os
 from pathlib import Path
 
 CACHE_ENV = "FUSIONSERVE_CACHE"
+# set by `fusionserve serve --host <loopback>` for the Ray it starts: the address the replicas bind their own gRPC
+# server to (Serve's is every interface); read in the replicas (serving/grpc_ingress.py)
+REPLICA_GRPC_HOST_ENV = "FUSIONSERVE_REPLICA_GRPC_HOST"
 
 
 def cache_root() -> Path:
     """``$FUSIONSERVE_CACHE`` if set (``~`` expanded), else ``~/.cache/fusionserve``."""
     root = os.environ.get(CACHE_ENV)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "fusionserve"
+
+
+def replica_grpc_host() -> str | None:
+    """``$FUSIONSERVE_REPLICA_GRPC_HOST``, or None (Serve's own choice: every interface)."""
+    return os.environ.get(REPLICA_GRPC_HOST_ENV) or None
 
 
 API_KEY_ENV = "FUSIONSERVE_API_KEY"  # the key(s) every model route asks for; several, comma-separated, for rotation

@@ -21,7 +21,7 @@ from fusionserve.errors import InputError
 # A row's bytes (a JSONL line, a CSV row, a Parquet record's text and bytes values): 1 MiB, some 400 times what the
 # longest token limit (512) holds, while a 50 MB row costs seconds and gigabytes to tokenize.
 MAX_ROW_BYTES = 1 << 20
-_READ_BYTES = 1 << 16  # how much of an over-long line is read at a time while skipping it
+READ_BYTES = 1 << 16  # how much of an over-long line is read at a time while skipping it
 _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
 _UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -112,7 +112,7 @@ def open_input(path: Path, text: bool = True) -> BinaryIO:
 
 def lines(fh: BinaryIO, max_row_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
     """(line number from 1, line, its size in bytes) for every line of ``fh``, a UTF-8 byte-order mark dropped; the
-    line is None when it is over ``max_row_bytes``: it is read through ``_READ_BYTES`` at a time, never held whole."""
+    line is None when it is over ``max_row_bytes``: it is read through ``READ_BYTES`` at a time, never held whole."""
     for no in itertools.count(1):
         line = fh.readline(max_row_bytes + 1)
         if not line:
@@ -124,7 +124,7 @@ def lines(fh: BinaryIO, max_row_bytes: int) -> Iterator[tuple[int, bytes | None,
             continue
         size = len(line)
         while line and not line.endswith(b"\n"):
-            line = fh.readline(_READ_BYTES)
+            line = fh.readline(READ_BYTES)
             size += len(line)
         yield no, None, size
 

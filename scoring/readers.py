@@ -9,6 +9,7 @@ counted), the data row after the header for CSV, the row for Parquet.
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import re
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 from fusionserve.errors import InputError
 from fusionserve.serving.predictions import TextInput
 
-from .files import MAX_ROW_BYTES, lines, not_utf8, open_input, too_long
+from .files import MAX_ROW_BYTES, READ_BYTES, lines, not_utf8, open_input, too_long
 
 Record = dict[str, Any]
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
@@ -74,18 +75,30 @@ def open_source(path: Path) -> Source:
 
 class _CsvLines:
     """The lines of a CSV file as text for ``csv.reader``, counting the bytes of the row being read (the reader
-    pulls exactly the lines of one row before it yields it). Bytes that are not UTF-8 pass as surrogate escapes, so
-    that the row holding them is the one reported; a line over the limit passes as an empty line."""
+    pulls exactly the lines of one row before it yields it). Line ends are \\n, \\r\\n or a lone \\r, as csv expects.
+    Bytes that are not UTF-8 pass as surrogate escapes, so that the row holding them is the one reported; a line
+    over the limit is read through (``READ_BYTES`` characters at a time) and passes as an empty line."""
 
     def __init__(self, fh: BinaryIO, max_row_bytes: int) -> None:
-        self.max_row_bytes = max_row_bytes
-        self.lines, self.row_bytes, self.cut = lines(fh, max_row_bytes), 0, False
+        # utf-8-sig: spreadsheet exports start with a byte-order mark; newline="": line ends reach csv as they are
+        self.text = io.TextIOWrapper(fh, encoding="utf-8-sig", errors="surrogateescape", newline="")
+        self.max_row_bytes, self.row_bytes, self.cut = max_row_bytes, 0, False
+
+    def _bytes(self, line: str) -> int:
+        return len(line.encode("utf-8", "surrogateescape"))
 
     def __iter__(self) -> Iterator[str]:
-        for _, line, size in self.lines:
+        while line := self.text.readline(self.max_row_bytes + 1):
+            size = self._bytes(line)
+            if len(line) > self.max_row_bytes and not line.endswith(("\n", "\r")):
+                while line and not line.endswith(("\n", "\r")):
+                    line = self.text.readline(READ_BYTES)
+                    size += self._bytes(line)
+                self.row_bytes, self.cut = self.row_bytes + size, True
+                yield "\n"
+                continue
             self.row_bytes += size
-            self.cut |= line is None
-            yield "\n" if line is None else line.decode("utf-8", "surrogateescape")
+            yield line
 
     def row_error(self, fields: Sequence[str]) -> InputError | None:
         """The error of the row just read (over the limit, or bytes that are not UTF-8); starts the next row."""

