@@ -39,6 +39,7 @@ def missing_extra(command: str, needs: str, exc: ModuleNotFoundError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.own_process = argv is None  # the command line of a process of its own (the console script, python -m)
     try:
         return int(args.run(args))
     except FusionServeError as exc:

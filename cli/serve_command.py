@@ -162,7 +162,7 @@ def _add_scaling(sv: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from fusionserve.serving.server import ServerConfig, serve_forever
+    from fusionserve.serving.server import ServerConfig, serve_forever, serve_supervised
 
     artifact = Path(args.artifact) if args.artifact is not None else default.ensure_artifact()
     names = (
@@ -179,5 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         print(render(cfg), end="")
         return 0
-    serve_forever(cfg)
+    # the command itself runs the server under a supervisor process; main(argv) called from Python code (tests) runs
+    # it in the calling process, which must not be forked
+    (serve_supervised if getattr(args, "own_process", False) else serve_forever)(cfg)
     return 0

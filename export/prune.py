@@ -174,6 +174,8 @@ def prune_artifact(
     from .spec import load_spec
 
     doc = load_stats(stats_path)
+    if Path(stats_path).resolve().is_relative_to(Path(out).resolve()):
+        raise PruneError(f"--out {out} holds --stats {stats_path}; the export would replace it: choose another folder")
     spec = load_spec(spec_path)
     if tasks:
         spec = spec.select(tasks)

@@ -27,7 +27,7 @@ from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, routed_repli
 from .runtime import make_session, resolve_device
 from .supervise import descendants, end_run, exit_with, new_run_folder, reap_stale, record, supervise, supervise_end
 
-__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "start", "stop"]
+__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "serve_supervised", "start", "stop"]
 APP_NAME = "fusionserve"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
@@ -314,9 +314,16 @@ def stop() -> None:
         end_run(Path(_ingress_dir))
 
 
-def serve_forever(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down. The server runs in a child process under this one
-    (``supervise``: whatever ends either, nothing of the run outlives them; see serving/supervise.py). While starting,
+def serve_supervised(cfg: ServerConfig) -> None:
+    """``serve_forever`` in a child process under this one (``supervise``: whatever ends either, nothing of the run
+    outlives them; see serving/supervise.py). For a process of its own (the ``fusionserve serve`` command): in the
+    caller, this never returns."""
+    serve_forever(cfg, run_folder=supervise())
+
+
+def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then shut Serve and Ray down (``run_folder``: the supervised server's, see
+    ``serve_supervised``; default a new one, in this process, which then ends nothing itself). While starting,
     either signal is an interruption (``_Interrupted``, then the same clean-up); the handlers go in again once Ray is
     up, because Ray's start-up replaces them with its own, which prints a crash-style report and ends the process
     without cleaning up (HAProxy and some of Ray's processes then outlived the server). Raises what ``start`` raises,
@@ -325,10 +332,9 @@ def serve_forever(cfg: ServerConfig) -> None:
     def say(text: str) -> None:
         print(f"fusionserve: {text}", file=sys.stderr, flush=True)
 
-    folder = supervise()
     _on_signals(_interrupt)
     try:
-        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt), run_folder=folder)
+        url = start(cfg, say, after_ray=lambda: _on_signals(_interrupt), run_folder=run_folder)
     except _Interrupted:
         _on_signals(lambda *_: None)  # a second signal must not cut the clean-up short
         say("interrupted while starting; shutting down")
@@ -348,7 +354,9 @@ def serve_forever(cfg: ServerConfig) -> None:
             dead = _ray_died()
             if dead:
                 say(f"Ray's {dead} died under the server; ending what is left of it (exit 1, for its supervisor to restart it)")
-                end_run(folder)
+                if run_folder is None:  # in the caller's own process: the usual stop below, and no exit
+                    break
+                end_run(run_folder)
                 supervise_end(1)
     finally:
         say("shutting down")

@@ -250,6 +250,16 @@ def test_bad_prune_options_are_refused_and_write_nothing(built_st, stats, tmp_pa
     assert not out.exists()
 
 
+def test_an_out_that_holds_the_stats_is_refused_even_with_force(built_st, stats, tmp_path, capsys):
+    folder = tmp_path / "work"
+    folder.mkdir()
+    kept = folder / "stats.json"
+    kept.write_bytes(stats.read_bytes())
+    code, _, err = _cli(capsys, "prune", built_st.spec, "--stats", kept, "--keep-top", "1", "--out", folder, "--force")
+    assert code == 2 and f"--out {folder} holds --stats {kept}; the export would replace it" in err, err
+    assert kept.read_bytes() == stats.read_bytes()
+
+
 @pytest.mark.parametrize(
     "content, says",
     [
