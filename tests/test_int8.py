@@ -62,6 +62,10 @@ def test_int8_export_passes_its_gate_and_records_it(built_st, int8):
     assert gate["rows"] == len(TASKS) * sum(BATCH_SIZES) + 8 and gate["cases"] == len(TASKS) * len(BATCH_SIZES) + 1
     assert gate["cases"] == count_cases(build_model(load_spec(built_st.spec)), MAX_SEQ_LEN)  # the progress bar's total
 
+    # smoothed by default (QKV and the FFN's first GEMM), calibrated on the validation grid without a calibration file
+    smooth = manifest["int8"]["smoothing"]
+    assert smooth["alpha"] == DEFAULT_OPTIONS.smooth_alpha and smooth["gemms"] == 2 * LAYERS
+    assert smooth["calibration"]["source"] == "validation grid (random token ids)" and smooth["fp32_max_abs_diff"] <= 1e-5
     q = manifest["int8"]["quantization"]
     assert q["quantized"] == {"MatMul": QUANTIZED_MATMULS, "Attention": LAYERS}
     kept = {op: k["count"] for op, k in q["kept_fp32"].items()}
