@@ -326,7 +326,7 @@ def _report(d: dict[str, Any]) -> str:
     return "\n".join([
         "Command: `python -m benchmarks.tasks` (default model, AdapterHub-saved fusion targets; quick parity grid for "
         f"exports). Machine: {m_['cpu']}, {m_['cores']} cores, onnxruntime {m_['onnxruntime']}, torch {m_['torch']}, "
-        f"{m_['date']}; load average before {d['load_before'][0]:.1f}, after {d['load_after'][0]:.1f} (a shared, busy box).",
+        f"{m_['date']}; load average before {d['load_before'][0]:.1f}, after {d['load_after'][0]:.1f}.",
         "",
         "| measure | figure | target |",
         "| --- | --- | --- |",
