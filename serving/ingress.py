@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import resource
 import shutil
 import signal
@@ -58,8 +59,40 @@ _PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEA
 _RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
 
 
+# Ports drawn for a server lie below the kernel's ephemeral range (Linux's default 32768-60999) and above Ray's
+# worker ports (10002-19999): while a server starts, Ray's processes bind port 0 and connect from ephemeral ports, and
+# one of them could take a port chosen in that range before Serve binds it ("Failed to bind to address [::]:PORT";
+# seen once in a full run). Room is left above for a server's range of replica gRPC ports.
+_DRAWN_PORTS = range(20000, 32768 - 2 * 64)
+
+
+def _ephemeral_ports() -> range:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return range(32768, 61000)
+    return range(low, high + 1)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's choice), none of Ray's default ports."""
+    """A TCP port nothing listens on right now (on ``host`` nor on every interface), drawn at random outside the
+    kernel's ephemeral range and none of Ray's default ports; the kernel's choice if no such port is found."""
+    ephemeral = _ephemeral_ports()
+    for _ in range(256):
+        port = random.choice(_DRAWN_PORTS)
+        if port in ephemeral or port in _RAY_DEFAULT_PORTS:
+            continue
+        if _bindable(host, port) and _bindable("0.0.0.0", port):
+            return port
     while True:
         with socket.socket() as s:
             s.bind((host, 0))

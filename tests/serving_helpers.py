@@ -4,7 +4,6 @@ it, and the processes it started (to check that stopping it leaves none)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fusionserve.serving.ingress import free_port
 
 
 def call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:
