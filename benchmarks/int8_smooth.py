@@ -1,6 +1,6 @@
 """int8 in every GEMM (issue 28): SmoothQuant and static QDQ against today's int8, on the built-in model's targets.
 
-    python -m benchmarks.int8_smooth [--alphas 0.5 0.75] [--workdir DIR] [--no-record] [--only VARIANT ...]
+    python -m benchmarks.int8_smooth [--alphas 0.8] [--workdir DIR] [--no-record] [--only VARIANT ...]
 
 Every variant is quantized from one validated fp32 artifact of the built-in model (11 tasks, 64 tokens; exported
 as its first start does) by ``models.int8_copy``, i.e. exactly as ``export --precision int8`` quantizes and gates,
@@ -8,13 +8,18 @@ with the gate off (thresholds 0 and 1) so that the figures show; its gate figure
 
 - ``int8 (FFN output fp32)``: the shipped int8 before issue 28 (dynamic, the FFN output GEMMs left in fp32)
 - ``every GEMM``: dynamic, every Attention and constant-weight MatMul int8, no smoothing
-- ``every GEMM, smoothed a=X (QKV, FFN in)``: the same after SmoothQuant with alpha X (one per --alphas) on the
-  GEMMs where it helped on dev (gemm_roles.DEFAULT_SMOOTH_ROLES; the FFN output GEMM quantized unsmoothed)
-- ``smoothed a=X (QKV, FFN in), FFN output fp32``: that, with the FFN output GEMMs in fp32
-- ``static QDQ`` / ``static QDQ, smoothed a=X (FFN in)``: every MatMul static (QDQ, MinMax calibration, per-channel
+- ``every GEMM, smoothed a=0.5 (QKV, FFN in)``: the same after SmoothQuant with alpha 0.5 on QKV and FFN-in
+- ``smoothed a=0.5 (QKV, FFN in), FFN output fp32``: that, with the FFN output GEMMs in fp32 (the default between)
+- ``static QDQ`` / ``static QDQ, smoothed a=0.5 (FFN in)``: every MatMul static (QDQ, MinMax calibration, per-channel
   weights; no int8 Attention in ONNX Runtime's QDQ, so QKV stays fp32 and unsmoothed), without and with smoothing
+- ``int8 before per-row (no calibration file)``: the default between, without ``--calibration``
+- ``every GEMM, per-row``: one activation scale and zero point per row (token) in the backbone's attention output
+  and FFN GEMMs (export/rowwise.py), QKV per tensor; ``..., smoothed a=X (QKV)``: with QKV smoothed (one per --alphas)
 - ``shipped int8 (no calibration file)``: ``DEFAULT_OPTIONS`` as `export --precision int8` runs them without
   ``--calibration``: smoothing scales from the validation grid's random token ids
+
+The variants before ``every GEMM, per-row`` have one activation scale per tensor (``activations="tensor"``). A variant whose figures are in
+--workdir/results is not measured again (delete the file to redo it).
 
 Calibration (smoothing scales, static ranges): the two target fusions' dev splits (the recipe's, the "spec's dev
 data" of the built-in model), written to --workdir/calibration.jsonl. Alpha is chosen on those dev splits (the
@@ -51,21 +56,32 @@ DEV_ONLY = ("static QDQ", "static QDQ, smoothed a=0.5 (FFN in)")
 def variants(alphas: list[float], calibration: str) -> dict[str, Any]:
     from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
 
-    smoothed = ("attention_qkv", "ffn_in")
-
     off = Int8Gate(0.0, 1.0)
-    every = Int8Options(fp32_roles=(), gate=off, smooth_alpha=None, calibration=calibration)
+    # before per-row activations (issue 28's first part): one activation scale per tensor everywhere
+    every = Int8Options(fp32_roles=(), gate=off, smooth_alpha=None, calibration=calibration, activations="tensor")
+    both = ("attention_qkv", "ffn_in")
     out: dict[str, Any] = {
         "int8 (FFN output fp32)": replace(every, fp32_roles=("ffn_out",), calibration=None),
         "every GEMM": every,
+        "every GEMM, smoothed a=0.5 (QKV, FFN in)": replace(every, smooth_alpha=0.5, smooth_roles=both),
+        "smoothed a=0.5 (QKV, FFN in), FFN output fp32": replace(
+            every, smooth_alpha=0.5, smooth_roles=both, fp32_roles=("ffn_out",)
+        ),
+        "static QDQ": replace(every, method="static"),
+        "static QDQ, smoothed a=0.5 (FFN in)": replace(every, method="static", smooth_alpha=0.5),
+        # the default before per-row activations, as `export --precision int8` ran it without --calibration
+        "int8 before per-row (no calibration file)": replace(
+            every, fp32_roles=("ffn_out",), smooth_alpha=0.5, smooth_roles=both, calibration=None
+        ),
+        # per-row activation scales in the backbone's attention output and FFN GEMMs (export/rowwise.py)
+        "every GEMM, per-row": replace(every, activations="row"),
     }
-    for a in alphas:
-        out[f"every GEMM, smoothed a={a:g} (QKV, FFN in)"] = replace(every, smooth_alpha=a, smooth_roles=smoothed)
-        out[f"smoothed a={a:g} (QKV, FFN in), FFN output fp32"] = replace(
-            every, smooth_alpha=a, smooth_roles=smoothed, fp32_roles=("ffn_out",)
+    out |= {
+        f"every GEMM, per-row, smoothed a={a:g} (QKV)": replace(
+            every, activations="row", smooth_alpha=a, smooth_roles=("attention_qkv",)
         )
-    out["static QDQ"] = replace(every, method="static")
-    out |= {f"static QDQ, smoothed a={a:g} (FFN in)": replace(every, method="static", smooth_alpha=a) for a in alphas}
+        for a in alphas
+    }
     # what `export --precision int8` does without --calibration: smoothing scales from the validation grid
     out["shipped int8 (no calibration file)"] = replace(DEFAULT_OPTIONS, gate=off)
     return out
@@ -100,9 +116,10 @@ def run(work: Path, alphas: list[float], only: list[str] | None = None) -> dict[
     result: dict[str, Any] = {"calibration_rows": len(rows), "variants": {}}
     for name, options in variants(alphas, str(cal)).items():
         done = work / "results" / f"{folder_name(name).replace('=', '')}.json"
+        if done.is_file() and not (only and name in only):  # measured before, or by another process (--only)
+            result["variants"][name] = json.loads(done.read_text())
+            continue
         if only and name not in only:
-            if done.is_file():  # measured by another process (--only): several run side by side on a shared machine
-                result["variants"][name] = json.loads(done.read_text())
             continue
         print(f"== {name}", file=sys.stderr)
         folder = int8_copy(fp32, work / folder_name(name).replace("=", ""), spec, options)
@@ -189,7 +206,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--alphas", nargs="+", type=float, default=[0.5], help="SmoothQuant alphas to compare (default 0.5)")
+    p.add_argument(
+        "--alphas", nargs="+", type=float, default=[0.8], help="SmoothQuant alphas of QKV with per-row activations (default 0.8)"
+    )
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench" / "int8_smooth")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")

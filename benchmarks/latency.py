@@ -10,16 +10,14 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``plain (PyTorch eager)``: the same backbone + head in PyTorch eager, to show what the runtime itself gives
 - ``fusion N (ORT)``: fusionserve's graph with one AdapterFusion over N adapters, N = 2, 8, 16
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
-- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (``DEFAULT_OPTIONS``: weights one scale
-  per output column, QKV and FFN-in smoothed, the FFN output GEMMs left in fp32)
-- ``fusion N=8 int8 every GEMM (ORT)``: the same with the FFN output GEMMs quantized too (the default before; what
-  leaving them in fp32 costs in time)
-- ``fusion N=8 int8 every GEMM smoothed (ORT)``: the same after SmoothQuant (export/smooth.py) of the default roles:
-  a per-channel Mul before QKV and before the FFN's first GEMM
-- ``fusion N=8 int8 static QDQ (ORT)`` / ``... smoothed``: every MatMul quantized statically (QDQ, calibrated scales,
-  per-channel weights; no int8 Attention in ONNX Runtime's QDQ), without and with smoothing (of every role it
-  quantizes: attention output, FFN in, FFN out)
-- all but the first are measured, not necessarily shipped; their gate is switched off here: benchmarks/int8.py
+- ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (``DEFAULT_OPTIONS``: every GEMM int8,
+  weights one scale per output column, one activation scale per row in the backbone's attention output and FFN
+  GEMMs (export/rowwise.py), QKV smoothed)
+- ``fusion N=8 int8 per-tensor, FFN output fp32 (ORT)``: the default before issue 28's per-row activations (one
+  activation scale per tensor, the FFN output GEMMs in fp32, QKV and FFN-in smoothed at alpha 0.5)
+- ``fusion N=8 int8 every GEMM per-tensor (ORT)``: every GEMM int8 with ONNX Runtime's per-tensor activation scales,
+  unsmoothed (ONNX Runtime's quantizer alone)
+- all but the first are measured, not shipped; their gate is switched off here: benchmarks/int8_smooth.py
   measures what they do to labels (INT8_VARIANTS names them)
 - ``fusionserve eager N``: the same folded model in PyTorch eager
 - ``AdapterHub eager N``: AdapterHub's own model (BertAdapterModel, RobertaAdapterModel) with Fuse active, PyTorch eager
@@ -75,30 +73,28 @@ def _artifact(model: BenchModel, out: Path) -> Path:
 
 INT8_VARIANTS = {  # artifact key -> the variant's name in the tables (fusion N=8 ... (ORT))
     "n8-int8": "int8",
-    "n8-int8-all": "int8 every GEMM",
-    "n8-int8-all-sm": "int8 every GEMM smoothed",
-    "n8-int8-static": "int8 static QDQ",
-    "n8-int8-static-sm": "int8 static QDQ smoothed",
+    "n8-int8-tensor": "int8 per-tensor, FFN output fp32",
+    "n8-int8-all": "int8 every GEMM per-tensor",
 }
 
 
 def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path]:
-    """The shipped int8 (``DEFAULT_OPTIONS``), then every GEMM quantized: dynamic without and with smoothing, static
-    QDQ (per-channel weights, calibrated) without and with smoothing. Their gate is off (thresholds 0 and 1): only
-    timed here, benchmarks/int8.py measures what they do to labels. Calibration: the validation grid (the weights
-    are random; timings do not depend on the scales)."""
+    """The shipped int8 (``DEFAULT_OPTIONS``: every GEMM, per-row activations in the backbone's MatMuls), the default
+    before it (per-tensor activations, the FFN output GEMMs in fp32, QKV and FFN-in smoothed at alpha 0.5) and every GEMM
+    with per-tensor activations, unsmoothed (ONNX Runtime's quantizer alone). Their gate is off (thresholds 0 and 1):
+    only timed here, benchmarks/int8_smooth.py measures what they do to labels. Calibration: the validation grid (the
+    weights are random; timings do not depend on the scales)."""
     from dataclasses import replace
 
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, ROLES, Int8Gate, Int8Options
+    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
 
-    every = Int8Options(fp32_roles=(), gate=Int8Gate(0.0, 1.0), smooth_alpha=None, smooth_roles=ROLES)
-    alpha = DEFAULT_OPTIONS.smooth_alpha if DEFAULT_OPTIONS.smooth_alpha is not None else 0.5
+    off = Int8Gate(0.0, 1.0)
     options = {
         "n8-int8": DEFAULT_OPTIONS,
-        "n8-int8-all": every,
-        "n8-int8-all-sm": replace(every, smooth_alpha=alpha, smooth_roles=DEFAULT_OPTIONS.smooth_roles),
-        "n8-int8-static": replace(every, method="static"),
-        "n8-int8-static-sm": replace(every, method="static", smooth_alpha=alpha),
+        "n8-int8-tensor": Int8Options(
+            fp32_roles=("ffn_out",), gate=off, smooth_alpha=0.5, smooth_roles=("attention_qkv", "ffn_in"), activations="tensor"
+        ),
+        "n8-int8-all": replace(DEFAULT_OPTIONS, fp32_roles=(), gate=off, smooth_alpha=None, activations="tensor"),
     }
     return {key: int8_copy(fp32, work / f"{key}-art", model.spec, o) for key, o in options.items()}
 

@@ -41,12 +41,23 @@ def fingerprint(folder: Path = DEFAULT_MODEL) -> str:
     return h.hexdigest()
 
 
-def artifact_dir(folder: Path = DEFAULT_MODEL) -> Path:
-    """Where the default model's artifact is cached: ``<cache>/artifacts/default-<first 12 hex of the fingerprint>``."""
-    return cache_root() / "artifacts" / f"default-{fingerprint(folder)[:12]}"
+def artifact_dir(folder: Path = DEFAULT_MODEL, precision: str = "fp32") -> Path:
+    """Where the default model's artifact is cached: ``<cache>/artifacts/default-<first 12 hex of the fingerprint>``,
+    with ``-<precision>`` after it for another precision than fp32."""
+    suffix = "" if precision == "fp32" else f"-{precision}"
+    return cache_root() / "artifacts" / f"default-{fingerprint(folder)[:12]}{suffix}"
 
 
-def _export(spec: Path, out: Path, progress: bool) -> None:
+def serving_precision(device: str = "auto") -> str:
+    """The precision the default model is served in on ``device`` (auto | cpu | cuda): int8 on CPU (every GEMM int8
+    keeps >= 99% of fp32's labels on both targets' test splits, accuracy within 0.5 points: docs/guides/int8.md),
+    fp32 on CUDA. Raises DeviceError for an unknown or unusable device."""
+    from fusionserve.serving.runtime import resolve_device
+
+    return "int8" if resolve_device(device) == "cpu" else "fp32"
+
+
+def _export(spec: Path, out: Path, progress: bool, precision: str = "fp32") -> None:
     missing = [m for m in _EXPORT_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
         raise FusionServeError(
@@ -56,19 +67,20 @@ def _export(spec: Path, out: Path, progress: bool) -> None:
         )
     from fusionserve.export.artifact import export_artifact
 
-    export_artifact(spec, out, progress=progress, parity_grid=PARITY_GRID)  # the spec sets its token limit
+    # the spec sets its token limit; int8 with the default options (no calibration file: none ships with the package)
+    export_artifact(spec, out, precision, progress=progress, parity_grid=PARITY_GRID)
 
 
-def ensure_artifact(folder: Path = DEFAULT_MODEL, progress: bool = True) -> Path:
-    """The default model's artifact folder, exporting it first if the cache does not hold it yet.
+def ensure_artifact(folder: Path = DEFAULT_MODEL, progress: bool = True, precision: str = "fp32") -> Path:
+    """The default model's artifact folder in ``precision``, exporting it first if the cache does not hold it yet.
 
     Raises FusionServeError when the export is impossible (missing extras or base model package) or fails."""
-    out = artifact_dir(folder)
+    out = artifact_dir(folder, precision)
     if is_artifact(out):
         return out
     print(f"fusionserve: exporting the default model to {out} (first use only; later runs reuse it)", file=sys.stderr)
     try:
-        _export(folder / SPEC_FILE, out, progress)
+        _export(folder / SPEC_FILE, out, progress, precision)
     except FusionServeError:
         if is_artifact(out):  # another process exported it at the same time
             return out

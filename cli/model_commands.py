@@ -14,7 +14,15 @@ from typing import Any
 from fusionserve.errors import InputError
 
 # no torch, no onnx: the parser needs no export extra
-from fusionserve.export.gemm_roles import DEFAULT_FP32_ROLES, DEFAULT_METHOD, DEFAULT_SMOOTH_ALPHA, METHODS, ROLES
+from fusionserve.export.gemm_roles import (
+    ACTIVATIONS,
+    DEFAULT_ACTIVATIONS,
+    DEFAULT_FP32_ROLES,
+    DEFAULT_METHOD,
+    DEFAULT_SMOOTH_ALPHA,
+    METHODS,
+    ROLES,
+)
 from fusionserve.scoring.files import MAX_ROW_BYTES  # no pyarrow, no onnxruntime: the parser needs no extra
 from fusionserve.serving.artifact import is_artifact, load_artifact, render_int8, render_manifest
 from fusionserve.serving.predictions import TextInput
@@ -81,6 +89,13 @@ def add_int8_fp32(parser: Any) -> None:
         f"by the calibration rows). Default: {DEFAULT_METHOD}",
     )
     parser.add_argument(
+        "--int8-activations",
+        choices=list(ACTIVATIONS),
+        help="with --precision int8 --int8-method dynamic: one activation scale per row (token) for the backbone's "
+        "attention output and feed-forward GEMMs (row), or one per tensor (tensor: ONNX Runtime's own; for a CPU "
+        f"without VNNI, see docs/guides/int8.md). Default: {DEFAULT_ACTIVATIONS}",
+    )
+    parser.add_argument(
         "--calibration",
         type=Path,
         metavar="FILE",
@@ -94,7 +109,10 @@ def int8_options(args: argparse.Namespace) -> Any:
     alpha outside [0, 1], a calibration file that is empty or not texts (naming it), or a flag without --precision int8."""
     from fusionserve.export.quantize import DEFAULT_OPTIONS
 
-    given = {f: getattr(args, f.replace("-", "_"), None) for f in ("int8-fp32", "int8-smooth", "int8-method", "calibration")}
+    given = {
+        f: getattr(args, f.replace("-", "_"), None)
+        for f in ("int8-fp32", "int8-smooth", "int8-method", "int8-activations", "calibration")
+    }
     if all(v is None for v in given.values()):
         return DEFAULT_OPTIONS
     if args.precision != "int8":
@@ -107,6 +125,8 @@ def int8_options(args: argparse.Namespace) -> Any:
         changes["smooth_alpha"] = None if args.int8_smooth == "none" else _alpha(args.int8_smooth)
     if args.int8_method is not None:
         changes["method"] = args.int8_method
+    if args.int8_activations is not None:
+        changes["activations"] = args.int8_activations
     if args.calibration is not None:
         from fusionserve.export.calibration import read_calibration
 

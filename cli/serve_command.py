@@ -164,7 +164,10 @@ def _add_scaling(sv: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from fusionserve.serving.server import ServerConfig, serve_forever, serve_supervised
 
-    artifact = Path(args.artifact) if args.artifact is not None else default.ensure_artifact()
+    if args.artifact is not None:
+        artifact = Path(args.artifact)
+    else:  # the built-in model: int8 on CPU (issue 28), fp32 on CUDA
+        artifact = default.ensure_artifact(precision=default.serving_precision(args.device or "auto"))
     names = (
         "host", "port", "replicas", "max_batch_size", "batch_wait_ms", "max_queued", "max_ongoing", "max_inputs",
         "max_body_bytes", "threads", "device", "max_batch_tokens", "ingress", "body_timeout_s", "replace", "grpc_port",

@@ -57,7 +57,7 @@ def read_calibration(path: str | Path) -> list[TextInput]:
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise InputError(
                 f"--calibration {path}:{no}: each line must be an object with a string 'text' (and optionally "
-                f"'text_pair'), got {type(obj).__name__ if not isinstance(obj, dict) else 'keys ' + str(sorted(obj))}"
+                f"'text_pair'), got {_what(obj)}"
             )
         try:
             texts.append(TextInput.from_json({k: v for k, v in obj.items() if k in ("text", "text_pair")}))
@@ -68,6 +68,15 @@ def read_calibration(path: str | Path) -> list[TextInput]:
     if not texts:
         raise InputError(f"--calibration {path}: no rows (an empty file); give at least one text")
     return texts
+
+
+def _what(obj: object) -> str:
+    """What a calibration line holds instead of an object with a string 'text'."""
+    if not isinstance(obj, dict):
+        return type(obj).__name__
+    if "text" in obj:
+        return f"'text' of type {type(obj['text']).__name__}"
+    return f"keys {sorted(obj)}"
 
 
 def calibration_inputs(model: FusionModel, max_seq_len: int, path: str | None, encoder: Encoder | None) -> Calibration:

@@ -50,7 +50,22 @@ def _weights_by_type(model: onnx.ModelProto) -> Counter[str]:
     return out
 
 
-def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelProto, options: Any) -> dict[str, Any]:
+def _activations(options: Any, rows: int) -> str:
+    """How the int8 graph's activations are quantized: the method's way, and per row in the ``rows`` GEMMs rowwise.py
+    made."""
+    if not rows:
+        return METHOD_RECORDS[options.method][1]
+    return (
+        f"uint8, asymmetric, one scale and zero point per row (token) computed at run time in {rows} backbone GEMMs "
+        "(the attention output and both feed-forward GEMMs of every layer quantized); "
+        + METHOD_RECORDS["dynamic"][1]
+        + " in the rest"
+    )
+
+
+def describe(
+    before: onnx.ModelProto, quantized: list[str], after: onnx.ModelProto, options: Any, rows: list[str] | None = None
+) -> dict[str, Any]:
     """Operators quantized, operators left in floating point (with why), and weights by element type, for the graph
     ``before`` that was quantized (smoothed, if it was) into ``after`` with ``options`` (``quantize.Int8Options``)."""
     chosen = set(quantized)
@@ -83,7 +98,7 @@ def describe(before: onnx.ModelProto, quantized: list[str], after: onnx.ModelPro
         "weights": ("int7 (reduce_range)" if options.reduce_range else "int8")
         + ", symmetric, "
         + ("one scale per output column" if options.per_channel else "one scale per tensor"),
-        "activations": METHOD_RECORDS[options.method][1],
+        "activations": _activations(options, len(rows or [])),
         "adapter_path": options.adapter_path,
         "fp32_roles": list(options.fp32_roles),
         "fp32_layers": list(options.fp32_layers),

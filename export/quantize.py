@@ -24,49 +24,34 @@ breaks its threshold is collected, then one error lists them all and no artifact
 from __future__ import annotations
 
 import logging
+import shutil
 import warnings
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
 from .calibration import Calibration, FeedReader, calibration_inputs, with_types
-from .gemm_roles import DEFAULT_FP32_ROLES, DEFAULT_METHOD, DEFAULT_SMOOTH_ALPHA, DEFAULT_SMOOTH_ROLES, METHODS, ROLES
+from .gemm_roles import (
+    ACTIVATIONS,
+    DEFAULT_ACTIVATIONS,
+    DEFAULT_FP32_ROLES,
+    DEFAULT_METHOD,
+    DEFAULT_SMOOTH_ALPHA,
+    DEFAULT_SMOOTH_ROLES,
+    METHODS,
+    ROLES,
+    ROW_ROLES,
+)
 from .int8_describe import ADAPTER_NODES, KEPT_FP32, QUANTIZED_OPS, describe
+from .int8_gate import GateReport, Int8Gate, Int8GateError, check_int8
 from .model import FusionModel
 from .onnx_export import ExportError
-from .validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs, mixed_cases
 
-__all__ = ["KEPT_FP32", "describe"]  # re-exported: their home is int8_describe
-
-
-class Int8GateError(ParityError):
-    """The int8 graph departs from the fp32 graph beyond the gate; no artifact was written."""
-
-
-@dataclass(frozen=True)
-class Int8Gate:
-    """Thresholds an int8 graph must meet against its fp32 graph over the validation grid (every task, every row).
-
-    The grid's inputs are random token ids, which a trained model often finds ambiguous (top two labels close),
-    so labels flip there more often than on real text. Measured with the default options: the default model's 11-task
-    graph 94.2% agreement and 0.208 largest change, its amazon_food-only graph 94.4% / 0.100; with every GEMM quantized
-    91.2% / 0.234 and 94.4% / 0.116, the MiniLM N=8 benchmark model 100% / 0.005; that per-tensor, the default model
-    falls to 83.1% / 0.425 and is refused (RESULTS.md; the grid alone). The 11-task graph exported again 2026-11-24 and
-    gated with the mixed batches too: 95.3% / 0.127 over 429 rows."""
-
-    min_label_agreement: float = 0.85  # share of rows whose label equals the fp32 graph's
-    max_probability_change: float = 0.3  # largest |p_int8 - p_fp32| of any label of any row
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.min_label_agreement <= 1.0:
-            raise ValueError(f"min_label_agreement must be in [0, 1], got {self.min_label_agreement}")
-        if not 0.0 <= self.max_probability_change <= 1.0:
-            raise ValueError(f"max_probability_change must be in [0, 1], got {self.max_probability_change}")
+# re-exported: their homes are int8_describe and int8_gate
+__all__ = ["KEPT_FP32", "GateReport", "Int8Gate", "Int8GateError", "check_int8", "describe"]
 
 
 @dataclass(frozen=True)
@@ -89,10 +74,15 @@ class Int8Options:
     smooth_alpha: float | None = DEFAULT_SMOOTH_ALPHA
     smooth_roles: tuple[str, ...] = DEFAULT_SMOOTH_ROLES
     calibration: str | None = None
+    # dynamic only: "row", one activation scale per row (token) for the backbone GEMMs of ROW_ROLES (rowwise.py), or
+    # "tensor", one per tensor as ONNX Runtime's quantizer makes them everywhere else
+    activations: str = DEFAULT_ACTIVATIONS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method: unknown '{self.method}'; allowed: {', '.join(METHODS)}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations: unknown '{self.activations}'; allowed: {', '.join(ACTIVATIONS)}")
         if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha <= 1.0:
             raise ValueError(f"smooth_alpha must be in [0, 1] (or None: no smoothing), got {self.smooth_alpha}")
         if unknown := [r for r in self.smooth_roles if r not in ROLES]:
@@ -106,50 +96,6 @@ class Int8Options:
 DEFAULT_OPTIONS = Int8Options()
 
 
-@dataclass
-class GateReport:
-    """The gate's figures over the grid; ``worst`` says where each extreme happened."""
-
-    gate: Int8Gate
-    rows: int = 0
-    agreeing: int = 0
-    max_probability_change: float = 0.0
-    max_fusion_activation_change: float = 0.0  # recorded, not gated: the adapters' weights per token
-    worst: dict[str, str] = field(default_factory=dict)
-    cases: int = 0
-
-    @property
-    def label_agreement(self) -> float:
-        return self.agreeing / self.rows if self.rows else 1.0
-
-    def failures(self) -> list[str]:
-        bad = []
-        if not self.label_agreement >= self.gate.min_label_agreement:
-            bad.append(
-                f"  label agreement {self.label_agreement:.2%} ({self.agreeing} of {self.rows} rows) "
-                f"< {self.gate.min_label_agreement:.2%}"
-            )
-        if not self.max_probability_change <= self.gate.max_probability_change:
-            bad.append(
-                f"  max probability change {self.max_probability_change:.3g} > {self.gate.max_probability_change:g} "
-                f"at {self.worst.get('probability', '?')}"
-            )
-        return bad
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "thresholds": asdict(self.gate),
-            "label_agreement": self.label_agreement,
-            "rows": self.rows,
-            "max_probability_change": self.max_probability_change,
-            "max_fusion_activation_change": self.max_fusion_activation_change,
-            "worst_case": self.worst,
-            "cases": self.cases,
-            "grid": {"batch_sizes": list(BATCH_SIZES), "sequence_lengths": list(SEQ_LENS), "padded": True},
-            "reference": "the fp32 graph this one was quantized from (see 'parity')",
-        }
-
-
 def quantize_graph(
     src: Path,
     dst: Path,
@@ -161,10 +107,10 @@ def quantize_graph(
     what was quantized and what stayed floating point, for the manifest. ``backbone``: (architecture, layers), to
     check that every layer's GEMMs were found where ``options`` leaves some in fp32 (see ``check_roles``);
     ``calibration``: the rows static quantization takes its activation ranges from (required for it)."""
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     before = onnx.load(str(src), load_external_data=False)
-    if backbone is not None and (options.fp32_roles or options.fp32_layers):
+    if backbone is not None and (options.fp32_roles or options.fp32_layers or _row_nodes_wanted(options)):
         check_roles(backbone_roles(before), *backbone)
     nodes = quantizable(before, options)
     if options.method == "static":  # ONNX Runtime's QDQ quantizer has no int8 Attention
@@ -190,6 +136,7 @@ def quantize_graph(
                 wanted = {i.name for i in before.graph.input}
                 reader = FeedReader([{k: v for k, v in f.items() if k in wanted} for f in calibration.feeds])
                 typed = with_types(src, dst.with_name("typed.onnx"))
+                rows: list[str] = []
                 try:
                     quantize_static(
                         typed, dst, reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
@@ -199,10 +146,54 @@ def quantize_graph(
                     for f in typed.parent.glob(typed.name + "*"):
                         f.unlink()
             else:
-                quantize_dynamic(src, dst, op_types_to_quantize=list(QUANTIZED_OPS), **common)
+                rows = _quantize_dynamic(src, dst, _row_nodes(before, nodes, options), common)
         finally:
             logging.disable(logging.NOTSET)
-    return describe(before, nodes, onnx.load(str(dst)), options)
+    return describe(before, nodes, onnx.load(str(dst)), options, rows)
+
+
+def _quantize_dynamic(src: Path, dst: Path, rows: list[str], common: dict[str, Any]) -> list[str]:
+    """ONNX Runtime's dynamic quantization of ``common["nodes_to_quantize"]`` into ``dst``, but ``rows``, which
+    ``rowwise.quantize_rows`` makes per-row int8 first; returns ``rows``."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    graph = src
+    if rows:
+        graph = dst.with_name("rows.onnx")
+        _save_rows(src, graph, rows)
+        common = {**common, "nodes_to_quantize": [n for n in common["nodes_to_quantize"] if n not in set(rows)]}
+    try:
+        if common["nodes_to_quantize"]:  # an empty list would mean "every node" to the quantizer
+            quantize_dynamic(graph, dst, op_types_to_quantize=list(QUANTIZED_OPS), **common)
+        else:
+            shutil.copyfile(graph, dst)
+    finally:
+        if graph != src:
+            for f in graph.parent.glob("rows.onnx*"):
+                f.unlink()
+    return rows
+
+
+def _row_nodes_wanted(options: Int8Options) -> bool:
+    return options.method == "dynamic" and options.activations == "row"
+
+
+def _row_nodes(graph: onnx.ModelProto, nodes: list[str], options: Int8Options) -> list[str]:
+    """The nodes of ``nodes`` whose activations get one scale per row (``options.activations``): the backbone's
+    MatMuls of ROW_ROLES."""
+    if not _row_nodes_wanted(options):
+        return []
+    roles = backbone_roles(graph)
+    return [n for n in nodes if n in roles and roles[n][1] in ROW_ROLES]
+
+
+def _save_rows(src: Path, dst: Path, rows: list[str]) -> None:
+    """``src`` with the MatMuls ``rows`` made per-row int8 (``rowwise.quantize_rows``), saved to ``dst``."""
+    from .rowwise import quantize_rows
+
+    graph = onnx.load(str(src))
+    quantize_rows(graph, rows)
+    onnx.save(graph, str(dst), save_as_external_data=src.stat().st_size > 1_800_000_000)
 
 
 def quantizable(graph: onnx.ModelProto, options: Int8Options = DEFAULT_OPTIONS) -> list[str]:
@@ -265,8 +256,8 @@ def check_roles(roles: dict[str, tuple[int, str]], arch: str, layers: int) -> No
         raise ExportError(
             f"int8: the {arch} graph has a fused Attention followed by its three GEMMs in {whole} of its {layers} layers "
             "(ONNX Runtime did not fuse every attention: see the export's 'did not fuse' warning), so the backbone "
-            "GEMMs to leave in fp32 or to smooth cannot be found; allowed: --int8-fp32 none (quantize every GEMM) with "
-            "--int8-smooth none"
+            "GEMMs to leave in fp32, to smooth or to give per-row activation scales cannot be found; allowed: --int8-fp32 "
+            "none (quantize every GEMM) with --int8-smooth none and --int8-activations tensor"
         )
 
 
@@ -275,68 +266,6 @@ def _backbone_gemm(node: onnx.NodeProto, weights: set[str]) -> bool:
     return (
         node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in weights and not node.name.startswith(ADAPTER_NODES)
     )
-
-
-def _probabilities(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Softmax of each row over its own task's ``labels`` (batch,) first columns; 0 past them (the graph pads with 0)."""
-    z = np.where(np.arange(logits.shape[1]) < labels[:, None], logits.astype(np.float64), -np.inf)
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _gate_runs(model: FusionModel, max_seq_len: int, wanted: set[str]) -> list[tuple[str, np.ndarray, list[Any]]]:
-    """(what, task_id feed, cases): every task over the whole grid, then (a graph that reads task_id per row, with more
-    than one task) batches whose rows cycle through every task, as the fp32 parity gate runs them (``validate``)."""
-    runs: list[tuple[str, np.ndarray, list[Any]]] = [
-        (f"task {t}", np.array([i], dtype=np.int64), grid_inputs(model.backbone.vocab_size, max_seq_len))
-        for t, i in model.task_index.items()
-    ]
-    if "task_id" in wanted:
-        runs += [("mixed tasks", ids, [case]) for ids, case in mixed_cases(model, max_seq_len)]
-    return runs
-
-
-def check_int8(
-    int8: object,
-    fp32: object,
-    model: FusionModel,
-    max_seq_len: int,
-    gate: Int8Gate,
-    progress: Callable[[int], None] | None = None,
-) -> GateReport:
-    """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over the
-    validation grid, and over batches mixing every task (``_gate_runs``; ``validate.count_cases`` counts them all).
-    Raises Int8GateError listing every figure that breaks ``gate``."""
-    report = GateReport(gate)
-    wanted = {i.name for i in fp32.get_inputs()}  # type: ignore[attr-defined]
-    n_labels = np.array([len(model.infos[t].labels) for t in model.task_index])  # by task index
-    for what, task_id, cases in _gate_runs(model, max_seq_len, wanted):
-        for batch, seq, feeds in cases:
-            feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-            want = fp32.run(None, feed)  # type: ignore[attr-defined]
-            got = int8.run(None, feed)  # type: ignore[attr-defined]
-            labels = np.broadcast_to(n_labels[task_id], (batch,))  # each row's task's label count
-            p_want, p_got = _probabilities(want[0], labels), _probabilities(got[0], labels)  # (batch, max_labels)
-            report.rows += batch
-            report.agreeing += int((p_want.argmax(-1) == p_got.argmax(-1)).sum())
-            where = f"{what}, batch {batch}, sequence {seq}"
-            change = float(np.abs(p_got - p_want).max()) if np.isfinite(p_got).all() else float("inf")
-            if change >= report.max_probability_change:
-                report.max_probability_change, report.worst["probability"] = change, where
-            real = feeds["attention_mask"][:, None, :, None].astype(bool)  # (batch, 1, seq, 1)
-            acts = float(np.abs((got[1] - want[1]) * real).max()) if got[1].size else 0.0
-            if acts >= report.max_fusion_activation_change:
-                report.max_fusion_activation_change, report.worst["fusion_activations"] = acts, where
-            report.cases += 1
-            if progress is not None:
-                progress(1)
-    bad = report.failures()
-    if bad:
-        raise Int8GateError(
-            f"the int8 graph departs from the fp32 graph beyond the gate over {report.rows} rows "
-            f"({report.cases} cases); no artifact written:\n" + "\n".join(bad)
-        )
-    return report
 
 
 def int8_graph(
@@ -371,16 +300,8 @@ def int8_graph(
         for feed in calibration.feeds:  # a live graph's task tables (WithTables) are inputs too
             feed.update(getattr(fp32, "tables", {}))
     graph = src
-    if options.smooth_alpha is not None:
-        before = onnx.load(str(src), load_external_data=False)
-        roles = backbone_roles(before)
-        check_roles(roles, *backbone)  # the GEMMs to smooth are found by role, as those left in fp32
-        attention = {n.name for n in before.graph.node if n.op_type == "Attention"}  # static QDQ leaves them fp32
-        nodes = [
-            n
-            for n in quantizable(before, options)
-            if roles.get(n, (0, ""))[1] in options.smooth_roles and not (options.method == "static" and n in attention)
-        ]
+    nodes = _to_smooth(src, options, backbone)
+    if options.smooth_alpha is not None and nodes:  # none: static QDQ of QKV-only smoothing (no int8 Attention there)
         graph = work / "smoothed.onnx"
         record["smoothing"] = smooth_checked(src, graph, nodes, options.smooth_alpha, calibration, fp32, model, max_seq_len)
     record["quantization"] = quantize_graph(graph, dst, options, backbone, calibration)
@@ -394,6 +315,22 @@ def int8_graph(
         f.unlink()
     dst.replace(src)  # the session holds the graph in memory; the artifact keeps only the int8 file
     return session, record
+
+
+def _to_smooth(src: Path, options: Int8Options, backbone: tuple[str, int]) -> list[str]:
+    """The quantized backbone GEMMs of ``options.smooth_roles`` (none without smoothing); ExportError where the roles
+    cannot be found (``check_roles``)."""
+    if options.smooth_alpha is None:
+        return []
+    before = onnx.load(str(src), load_external_data=False)
+    roles = backbone_roles(before)
+    check_roles(roles, *backbone)  # the GEMMs to smooth are found by role, as those left in fp32
+    attention = {n.name for n in before.graph.node if n.op_type == "Attention"}  # static QDQ leaves them fp32
+    return [
+        n
+        for n in quantizable(before, options)
+        if roles.get(n, (0, ""))[1] in options.smooth_roles and not (options.method == "static" and n in attention)
+    ]
 
 
 def _bytes(path: Path) -> int:

@@ -219,6 +219,7 @@ def render_int8(record: dict[str, Any] | None) -> list[str]:
         "int8        quantized "
         + ", ".join(f"{op} {n}/{q['of'][op]}" for op, n in q["quantized"].items())
         + f" ({q['weights']}); fp32: {kept}; model.onnx {size['int8'] / 2**20:.1f} MB (fp32 {size['fp32'] / 2**20:.1f} MB)",
+        f"int8        activations: {q['activations']}",
         *_render_smoothing(record.get("smoothing")),
     ]
 

@@ -7,6 +7,7 @@ refuses to guess which GEMMs to leave in fp32, naming the backbone."""
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -54,13 +55,14 @@ def test_int8_passes_its_gate_on_every_backbone(arch_built, arch_int8):
     assert 0 < gate["max_probability_change"] <= gate["thresholds"]["max_probability_change"]
     # every task at sequences 5 and 37 (ARCH_MAX_SEQ_LEN), and at each a batch of 8 rows cycling through the 4 tasks
     assert gate["rows"] == (len(TASKS) * sum(BATCH_SIZES) + BATCH_SIZES[-1]) * 2
-    # per layer the attention output and the FFN's first GEMM, and at every fusion layer (one or two per layer: all
-    # hold adapters) the adapters' stacked down-projection; the FFN's output GEMMs stay fp32 (DEFAULT_FP32_ROLES)
+    # per layer the attention output and both FFN GEMMs (per-row activations), and at every fusion layer (one or two
+    # per layer: all hold adapters) the adapters' stacked down-projection (per tensor): every GEMM by default
     sites = len(manifest["fusion_layers"])
-    assert q["quantized"] == {"MatMul": 2 * LAYERS + sites, "Attention": LAYERS}
-    assert q["kept_fp32"]["backbone GEMMs"]["count"] == LAYERS and q["fp32_roles"] == ["ffn_out"]
-    ops = {n.op_type for n in onnx.load(str(arch_int8 / MODEL_FILE), load_external_data=False).graph.node}
-    assert {"QAttention", "MatMulInteger"} <= ops and "Attention" not in ops
+    assert q["quantized"] == {"MatMul": 3 * LAYERS + sites, "Attention": LAYERS}
+    assert "backbone GEMMs" not in q["kept_fp32"] and q["fp32_roles"] == []
+    ops = Counter(n.op_type for n in onnx.load(str(arch_int8 / MODEL_FILE), load_external_data=False).graph.node)
+    assert ops["QAttention"] == LAYERS and ops["Attention"] == 0
+    assert ops["MatMulIntegerToFloat"] == 3 * LAYERS and ops["MatMulInteger"] == sites
 
 
 def _source(params: dict[str, np.ndarray], weight: np.ndarray) -> list[str]:
@@ -93,9 +95,11 @@ def test_backbone_roles_by_node_order_are_right_on_every_backbone(arch_built, ar
     adapters = {n for n in stored if n.startswith(ADAPTER_NODES)}
     assert adapters and not adapters & set(roles)  # the adapter blocks' down-projections have no role
     assert stored - adapters <= set(roles)  # every backbone GEMM has one
-    # what the options leave in fp32 follows the roles: by default the FFN's output GEMMs, or the last layer
+    # what the options leave in fp32 follows the roles: the FFN's output GEMMs, or the last layer (by default none)
     everything = set(quantizable(graph, Int8Options(fp32_roles=())))
-    assert everything - set(quantizable(graph)) == {n for n, (_, role) in roles.items() if role == "ffn_out"}
+    assert everything == set(quantizable(graph))
+    ffn_out = everything - set(quantizable(graph, Int8Options(fp32_roles=("ffn_out",))))
+    assert ffn_out == {n for n, (_, role) in roles.items() if role == "ffn_out"}
     last = everything - set(quantizable(graph, Int8Options(fp32_roles=(), fp32_layers=(-1,))))
     assert last == {n for n, (layer, _) in roles.items() if layer == LAYERS - 1}
 
@@ -122,7 +126,7 @@ def test_cli_export_int8_on_a_houlsby_distilbert(arch_models, tmp_path, capsys):
     assert code == 0, err
     assert f"wrote {art}: {len(TASKS)} task(s), int8" in out and "int8 gate   vs the fp32 graph over" in out
     code, out, _ = _cli(capsys, "inspect", art)
-    assert code == 0 and "base model  distilbert, 3 layers" in out and f"quantized MatMul {2 * LAYERS + 2 * LAYERS}/" in out
+    assert code == 0 and "base model  distilbert, 3 layers" in out and f"quantized MatMul {3 * LAYERS + 2 * LAYERS}/" in out
     text, pair = PAIRS[0]
     code, out, err = _cli(capsys, "predict", art, "--task", "dyn", "--text", text, "--text-pair", pair)
     assert code == 0, err
@@ -157,9 +161,12 @@ def test_a_graph_whose_attention_did_not_fuse(arch_models, tmp_path, capsys, mon
     message = str(exc.value)
     assert "int8: the distilbert graph has a fused Attention followed by its three GEMMs in 0 of its 3 layers" in message
     assert "'did not fuse' warning" in message and "allowed: --int8-fp32 none (quantize every GEMM)" in message
-    with pytest.raises(ExportError, match=r"fp32 or to smooth cannot be found; allowed: --int8-fp32 none .* --int8-smooth none"):
-        int8_copy(fp32, built.spec, tmp_path / "smoothed", Int8Options(fp32_roles=()))  # smoothing finds GEMMs by role
-    every = int8_copy(fp32, built.spec, tmp_path / "every", Int8Options(fp32_roles=(), smooth_alpha=None))
+    allowed = r"cannot be found; allowed: --int8-fp32 none .* with --int8-smooth none and --int8-activations tensor"
+    with pytest.raises(ExportError, match=allowed):
+        int8_copy(fp32, built.spec, tmp_path / "smoothed", Int8Options(smooth_alpha=0.5, activations="tensor"))  # by role
+    with pytest.raises(ExportError, match=allowed):  # so are the GEMMs given per-row activation scales
+        int8_copy(fp32, built.spec, tmp_path / "rows", Int8Options(smooth_alpha=None, activations="row"))
+    every = int8_copy(fp32, built.spec, tmp_path / "every", Int8Options(smooth_alpha=None, activations="tensor"))
     q = load_artifact(every).manifest["int8"]["quantization"]
     assert q["quantized"] == {"MatMul": len(quantizable(graph, Int8Options(fp32_roles=()))), "Attention": 0}
     assert "backbone GEMMs" not in q["kept_fp32"]

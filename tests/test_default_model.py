@@ -178,15 +178,20 @@ def test_missing_artifact_is_exported_once_then_reused(tmp_path, monkeypatch):
     model = _tiny_model(tmp_path / "model")
     calls = []
 
-    def fake_export(spec: Path, out: Path, progress: bool) -> None:
-        calls.append((spec, out))
+    def fake_export(spec: Path, out: Path, progress: bool, precision: str) -> None:
+        calls.append((spec, out, precision))
         out.mkdir(parents=True)
         (out / "manifest.json").write_text("{}")
 
     monkeypatch.setattr(default, "_export", fake_export)
     first = default.ensure_artifact(model)
-    assert calls == [(model / SPEC_FILE, default.artifact_dir(model))] and first == default.artifact_dir(model)
+    assert calls == [(model / SPEC_FILE, default.artifact_dir(model), "fp32")] and first == default.artifact_dir(model)
     assert default.ensure_artifact(model) == first and len(calls) == 1
+    # the int8 one (the default model served on CPU) is a folder of its own, exported once too
+    int8 = default.ensure_artifact(model, precision="int8")
+    assert int8 == default.artifact_dir(model, "int8") != first and int8.name.endswith("-int8")
+    assert calls[1:] == [(model / SPEC_FILE, int8, "int8")] and default.ensure_artifact(model, precision="int8") == int8
+    assert default.serving_precision("cpu") == "int8"
 
 
 def test_export_without_torch_says_what_to_install(tmp_path, monkeypatch):
@@ -200,7 +205,8 @@ def test_export_without_torch_says_what_to_install(tmp_path, monkeypatch):
 
 
 def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeypatch):
-    monkeypatch.setattr(default, "ensure_artifact", lambda: built_st.spec)
+    asked = []
+    monkeypatch.setattr(default, "ensure_artifact", lambda **kw: asked.append(kw) or built_st.spec)
     assert cli.main(["predict", "--task", "alpha_only", "--text", "the movie was great"]) == 0
     assert json.loads(capsys.readouterr().out)["label"] in ("neg", "pos")
 
@@ -208,8 +214,9 @@ def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeyp
 
     served = []
     monkeypatch.setattr(server, "serve_forever", served.append)
-    assert cli.main(["serve", "--port", "8123"]) == 0
+    assert cli.main(["serve", "--port", "8123", "--device", "cpu"]) == 0
     assert served[0].artifact == built_st.spec and served[0].port == 8123
+    assert asked == [{}, {"precision": "int8"}]  # predict: fp32; served on CPU: int8 (docs/guides/int8.md)
 
 
 @pytest.mark.slow

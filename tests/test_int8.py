@@ -36,10 +36,11 @@ from tests.runtime_helpers import MAX_SEQ_LEN, _batches
 from tests.score_helpers import _read, _texts, _write
 
 LAYERS = 3
-# per layer: the attention output, the feed-forward's first GEMM and the adapters' stacked down-projection; the FFN's
-# output GEMM stays fp32 by default (DEFAULT_OPTIONS.fp32_roles), and the fusion matrices of this 7-task graph are
-# picked by the task index at run time and stay fp32
-QUANTIZED_MATMULS = 3 * LAYERS
+# per layer: the attention output, both feed-forward GEMMs (per-row activations, rowwise.py) and the adapters' stacked
+# down-projection (per tensor); the fusion matrices of this 7-task graph are picked by the task index at run time and
+# stay fp32
+ROW_MATMULS = 3 * LAYERS
+QUANTIZED_MATMULS = ROW_MATMULS + LAYERS
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,9 @@ def test_int8_export_passes_its_gate_and_records_it(built_st, int8):
     assert gate["rows"] == len(TASKS) * sum(BATCH_SIZES) + 8 and gate["cases"] == len(TASKS) * len(BATCH_SIZES) + 1
     assert gate["cases"] == count_cases(build_model(load_spec(built_st.spec)), MAX_SEQ_LEN)  # the progress bar's total
 
-    # smoothed by default (QKV and the FFN's first GEMM), calibrated on the validation grid without a calibration file
+    # smoothed by default (QKV), calibrated on the validation grid without a calibration file
     smooth = manifest["int8"]["smoothing"]
-    assert smooth["alpha"] == DEFAULT_OPTIONS.smooth_alpha and smooth["gemms"] == 2 * LAYERS
+    assert smooth["alpha"] == DEFAULT_OPTIONS.smooth_alpha and smooth["gemms"] == LAYERS
     assert smooth["calibration"]["source"] == "validation grid (random token ids)" and smooth["fp32_max_abs_diff"] <= 1e-5
     q = manifest["int8"]["quantization"]
     assert q["quantized"] == {"MatMul": QUANTIZED_MATMULS, "Attention": LAYERS}
@@ -72,7 +73,7 @@ def test_int8_export_passes_its_gate_and_records_it(built_st, int8):
     assert kept["embeddings"] == 1 and kept["LayerNorm"] == 3 * LAYERS and kept["Softmax"] == LAYERS
     assert kept["heads"] == 2 * len(TASKS)  # two linears each
     assert kept["MatMul without stored weights"] == 4 * LAYERS  # per layer: the task's fusion matrices (3), placement
-    assert kept["backbone GEMMs"] == LAYERS and q["fp32_roles"] == ["ffn_out"]  # the FFN's output GEMM of each layer
+    assert "backbone GEMMs" not in kept and q["fp32_roles"] == []  # every backbone GEMM is int8
     assert manifest["int8"]["model_bytes"]["int8"] < manifest["int8"]["model_bytes"]["fp32"]
 
 
@@ -80,7 +81,8 @@ def test_int8_graph_quantizes_the_gemms_and_keeps_the_rest_in_fp32(built_st, int
     folder, _ = int8
     graph = onnx.load(str(folder / "model.onnx")).graph
     ops = Counter(n.op_type for n in graph.node)
-    assert (ops["QAttention"], ops["Attention"], ops["MatMulInteger"]) == (LAYERS, 0, QUANTIZED_MATMULS)
+    assert (ops["QAttention"], ops["Attention"], ops["MatMulInteger"]) == (LAYERS, 0, QUANTIZED_MATMULS - ROW_MATMULS)
+    assert ops["MatMulIntegerToFloat"] == ROW_MATMULS and ops["QuantizeLinear"] == ROW_MATMULS  # one scale per row
     assert ops["SkipLayerNormalization"] == 3 * LAYERS and ops["Softmax"] == LAYERS and ops["EmbedLayerNormalization"] == 1
     by_type = Counter()
     for t in graph.initializer:
@@ -89,12 +91,12 @@ def test_int8_graph_quantizes_the_gemms_and_keeps_the_rest_in_fp32(built_st, int
     model = build_model(load_spec(built_st.spec))
     layers = model.backbone.model.encoder.layer
     gemms = sum(m.weight.numel() for layer in layers for m in (layer.attention.self.query, layer.attention.self.key,
-                layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense))  # fmt: skip
+                layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense,
+                layer.output.dense))  # fmt: skip
     down = sum(block.down_w.numel() for block in model.blocks if hasattr(block, "down_w"))  # adapter sites only
-    assert by_type[onnx.TensorProto.INT8] == gemms + down  # exactly the backbone's GEMMs but the FFN output, and down
-    ffn_out = sum(layer.output.dense.weight.numel() for layer in layers)
+    assert by_type[onnx.TensorProto.INT8] == gemms + down  # exactly the backbone's GEMMs and the adapters' down
     embeddings = model.backbone.model.embeddings.word_embeddings.weight.numel()
-    assert by_type[onnx.TensorProto.FLOAT] > embeddings + ffn_out  # those stay float (with the rest)
+    assert by_type[onnx.TensorProto.FLOAT] > embeddings  # those stay float (with the rest)
     assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.INT64] * 4
     assert [o.type.tensor_type.elem_type for o in graph.output] == [onnx.TensorProto.FLOAT] * 2
 
@@ -121,7 +123,7 @@ def test_backbone_roles_and_what_the_options_leave_in_fp32(built_st, artifacts):
     assert everything - set(quantizable(graph, Int8Options(fp32_roles=("ffn_out", "attention_qkv")))) == by_role
     by_layer = {name for name, (layer, _) in roles.items() if layer in (0, LAYERS - 1)}
     assert everything - set(quantizable(graph, Int8Options(fp32_roles=(), fp32_layers=(0, -1)))) == by_layer
-    assert set(quantizable(graph)) == everything - {n for n, (_, role) in roles.items() if role == "ffn_out"}
+    assert set(quantizable(graph)) == everything  # by default every GEMM
     with pytest.raises(
         ValueError,
         match="fp32_roles: unknown entry 'ffn'; allowed: attention_qkv, attention_out, ffn_in, ffn_out, each optionally",
@@ -233,7 +235,7 @@ def test_cli_export_int8_inspect_and_prune(built_st, stats, tmp_path, capsys):
     assert code == 0 and "int8, opset 17" in out and "of the fp32 graph before quantization" in out
     assert f"label agreement {gate['label_agreement']:.2%} (min 85%)" in out
     assert f"max probability change {gate['max_probability_change']:.3f} (max 0.3)" in out
-    assert "quantized MatMul 9/24, Attention 3/3" in out
+    assert "quantized MatMul 12/24, Attention 3/3" in out and "one scale and zero point per row (token)" in out
 
     pruned = tmp_path / "pruned"
     argv = ["prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--tasks", "rte", "--out", pruned]
@@ -253,7 +255,7 @@ def test_cli_int8_fp32_chooses_the_gemms_left_in_fp32(built_st, stats, tmp_path,
     code, out, _ = _cli(capsys, "export", built_st.spec, *argv)
     assert code == 0, out
     q = load_artifact(every).manifest["int8"]["quantization"]
-    assert q["fp32_roles"] == [] and q["quantized"]["MatMul"] == QUANTIZED_MATMULS + LAYERS  # the FFN output GEMMs too
+    assert q["fp32_roles"] == [] and q["quantized"]["MatMul"] == QUANTIZED_MATMULS  # the default: every GEMM
     pruned = tmp_path / "pruned"
     argv = ["prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--tasks", "rte", "--out", pruned]
     code, out, _ = _cli(capsys, *argv, "--precision", "int8", "--max-seq-len", 16, "--int8-fp32", "ffn_in:0", "ffn_out")

@@ -89,16 +89,17 @@ def test_cli_int8_smoothed_every_gemm_is_gated_and_inspect_shows_it(built_st, ca
     # every task over the grid, then a batch of 8 rows cycling through the 7 tasks: the int8 gate of the smoothed graph
     assert gate["rows"] == len(TASKS) * sum(BATCH_SIZES) + 8
     assert gate["label_agreement"] >= gate["thresholds"]["min_label_agreement"]
-    # smoothed by default: QKV and the FFN's first GEMM of each layer, each with a Mul (gemm_roles.DEFAULT_SMOOTH_ROLES)
-    assert (smooth["gemms"], smooth["inverse_in_v_columns"], smooth["inverse_as_mul"]) == (2 * LAYERS, 0, 2 * LAYERS)
-    assert q["quantized"] == {"MatMul": 4 * LAYERS, "Attention": LAYERS} and q["kept_fp32"]["smoothing Mul"]["count"] == 6
+    # smoothed by default: QKV of each layer, with a Mul (gemm_roles.DEFAULT_SMOOTH_ROLES)
+    assert (smooth["gemms"], smooth["inverse_in_v_columns"], smooth["inverse_as_mul"]) == (LAYERS, 0, LAYERS)
+    assert q["quantized"] == {"MatMul": 4 * LAYERS, "Attention": LAYERS} and q["kept_fp32"]["smoothing Mul"]["count"] == 3
     ops = Counter(n.op_type for n in onnx.load(str(art / "model.onnx")).graph.node)
-    assert ops["QAttention"] == LAYERS and ops["MatMulInteger"] == 4 * LAYERS  # quantized from the smoothed graph
+    assert ops["QAttention"] == LAYERS  # quantized from the smoothed graph: the adapters per tensor, the rest per row
+    assert ops["MatMulInteger"] == LAYERS and ops["MatMulIntegerToFloat"] == 3 * LAYERS
 
     code, out, _ = _cli(capsys, "inspect", art)
     assert code == 0
     assert f"label agreement {gate['label_agreement']:.2%} (min 85%)" in out
-    assert f"int8 smooth alpha 0.5 over {2 * LAYERS} GEMMs (inverse in V columns 0, as a Mul {2 * LAYERS}" in out
+    assert f"int8 smooth alpha 0.5 over {LAYERS} GEMMs (inverse in V columns 0, as a Mul {LAYERS}" in out
     assert f"calibrated on 25 rows of {calibration_file}; smoothed fp32 vs fp32 max |diff| " in out
 
 
@@ -124,6 +125,10 @@ def test_static_qdq_is_calibrated_and_gated(built_st, calibration_file, tmp_path
         ('{"text": "fine"}\n[1, 2, 3]\n', ":2: each line must be an object with a string 'text'"),
         ('{"txt": "a typo"}\n', ":1: each line must be an object with a string 'text' (and optionally 'text_pair'), got keys"),
         ('{"text": "ok"}\nnot json\n', ":2: not JSON"),
+        (
+            '{"text": ["a", "list"]}\n',
+            ":1: each line must be an object with a string 'text' (and optionally 'text_pair'), got 'text' of type list",
+        ),
     ],
 )
 def test_a_bad_calibration_file_is_refused_before_exporting(built_st, tmp_path, capsys, content, why):
@@ -146,3 +151,7 @@ def test_int8_flags_are_checked(built_st, tmp_path, capsys):
         Int8Options(smooth_roles=("ffn",))
     with pytest.raises(ValueError, match="method: unknown 'qdq'; allowed: dynamic, static"):
         Int8Options(method="qdq")
+    with pytest.raises(ValueError, match="activations: unknown 'column'; allowed: row, tensor"):
+        Int8Options(activations="column")
+    code, _, err = _cli(capsys, "export", spec, "--out", tmp_path / "c", "--int8-activations", "tensor")
+    assert code == 2 and "--int8-activations is for --precision int8 (this is --precision fp32)" in err

@@ -1,0 +1,133 @@
+"""Per-row int8 activations (``export/rowwise.py``): the rewritten MatMul answers as the fp32 one within int8's error,
+a row's answer does not depend on the other rows of its batch (an outlier token costs only its own row), an all-zero
+row stays zero, and the export quantizes the backbone's GEMMs that way and gates them, mixed batches included."""
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from onnx import helper as oh
+
+from fusionserve.export.build import build_model
+from fusionserve.export.gemm_roles import ROW_ROLES
+from fusionserve.export.quantize import Int8Options, backbone_roles
+from fusionserve.export.rowwise import quantize_rows
+from fusionserve.export.spec import load_spec
+from fusionserve.export.validate import BATCH_SIZES, count_cases
+from fusionserve.serving.artifact import load_artifact
+from fusionserve.serving.runtime import make_session
+from tests.adapterhub_models import TASKS
+from tests.export_helpers import _cli
+from tests.runtime_helpers import MAX_SEQ_LEN
+
+K, N = 48, 20
+LAYERS = 3
+
+
+def _matmul_graph(tmp_path, w: np.ndarray, bias: np.ndarray, quantize: str | None) -> object:
+    """A session of ``Y = X W + b`` (X (batch, seq, K)): fp32 (None), per-row ("row") or ONNX Runtime's per-tensor
+    dynamic quantization ("tensor")."""
+    nodes = [oh.make_node("MatMul", ["X", "W"], ["XW"], name="gemm"), oh.make_node("Add", ["XW", "b"], ["Y"], name="bias")]
+    graph = oh.make_graph(
+        nodes,
+        "g",
+        [oh.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "seq", K])],
+        [oh.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", "seq", N])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(bias, "b")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / f"{quantize or 'fp32'}.onnx"
+    if quantize == "row":
+        assert quantize_rows(model, ["gemm"]) == ["gemm_int8"]
+        onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    if quantize == "tensor":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(path, tmp_path / "tensor-q.onnx", per_channel=True, weight_type=QuantType.QInt8)
+        path = tmp_path / "tensor-q.onnx"
+    return make_session(path, threads=1, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def gemm(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((K, N)) * 0.2).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    tmp = tmp_path_factory.mktemp("rowwise")
+    return {q: _matmul_graph(tmp, w, bias, q) for q in (None, "row", "tensor")}
+
+
+def _inputs(batch: int, seq: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((batch, seq, K)).astype(np.float32)
+    x[:, 0, :3] *= 40  # a [CLS]-like token whose few channels are far larger than the rest
+    return x
+
+
+def test_per_row_matmul_answers_as_fp32_within_int8_error(gemm):
+    x = _inputs(4, 9, seed=0)
+    want = gemm[None].run(None, {"X": x})[0]
+    got = gemm["row"].run(None, {"X": x})[0]
+    tensor = gemm["tensor"].run(None, {"X": x})[0]
+    assert got.shape == want.shape == (4, 9, N)
+    err = np.abs(got - want).max(axis=-1)  # (batch, seq): each row's largest error
+    assert err.max() < 0.02 * np.abs(want).max()
+    # the rows without the outlier token: per-row scales keep them far closer than one scale per tensor does
+    rest = (slice(None), slice(1, None))
+    assert np.abs(got - want)[rest].mean() * 5 < np.abs(tensor - want)[rest].mean()
+
+
+def test_a_rows_answer_does_not_depend_on_its_batch(gemm):
+    x = _inputs(3, 7, seed=1)
+    whole = gemm["row"].run(None, {"X": x})[0]
+    for i in range(3):
+        alone = gemm["row"].run(None, {"X": x[i : i + 1]})[0]
+        np.testing.assert_allclose(alone[0], whole[i], rtol=0, atol=1e-5)
+    # a padded batch (zero rows) and an all-zero input: finite, and zero rows give the bias alone
+    zeros = np.zeros((2, 5, K), dtype=np.float32)
+    out = gemm["row"].run(None, {"X": zeros})[0]
+    bias = gemm[None].run(None, {"X": zeros})[0]
+    np.testing.assert_allclose(out, bias, rtol=0, atol=1e-6)
+
+
+def test_quantize_rows_refuses_what_it_cannot_rewrite():
+    graph = oh.make_graph(
+        [oh.make_node("MatMul", ["X", "Y"], ["Z"], name="two_inputs")],
+        "g",
+        [oh.make_tensor_value_info(n, TensorProto.FLOAT, [2, 2]) for n in ("X", "Y")],
+        [oh.make_tensor_value_info("Z", TensorProto.FLOAT, None)],
+    )
+    with pytest.raises(ValueError, match="two_inputs: per-row int8 takes a MatMul with a stored weight"):
+        quantize_rows(oh.make_model(graph), ["two_inputs"])
+    with pytest.raises(ValueError, match="no node named missing"):
+        quantize_rows(oh.make_model(graph), ["missing"])
+
+
+def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, artifacts, tmp_path, capsys):
+    art = tmp_path / "int8"
+    argv = ["export", built_st.spec, "--out", art, "--precision", "int8", "--max-seq-len", MAX_SEQ_LEN]
+    code, _, err = _cli(capsys, *argv, "--int8-fp32", "none", "--int8-activations", "row")
+    assert code == 0, err
+    record = load_artifact(art).manifest["int8"]
+    assert record["quantization"]["options"]["activations"] == "row"
+    assert "one scale and zero point per row" in record["quantization"]["activations"]
+    graph = onnx.load(str(art / "model.onnx"))
+    ops = Counter(n.op_type for n in graph.graph.node)
+    # per layer: attention output and both FFN GEMMs per row; QKV stays ONNX Runtime's QAttention (per tensor)
+    assert ops["MatMulIntegerToFloat"] == len(ROW_ROLES) * LAYERS
+    assert ops["QAttention"] == LAYERS
+    fp32_roles = backbone_roles(onnx.load(str(artifacts.fp32 / "model.onnx"), load_external_data=False))
+    assert {r for _, r in fp32_roles.values()} - set(ROW_ROLES) == {"attention_qkv"}
+    gate = record["gate"]  # over the grid for every task and the batches mixing every task row by row
+    model = build_model(load_spec(built_st.spec))
+    assert gate["cases"] == count_cases(model, MAX_SEQ_LEN) and gate["rows"] == len(TASKS) * sum(BATCH_SIZES) + 8
+    assert gate["label_agreement"] >= Int8Options().gate.min_label_agreement
+    code, out, _ = _cli(capsys, "inspect", art)
+    assert (
+        code == 0
+        and f"activations: uint8, asymmetric, one scale and zero point per row (token) computed at run time in {len(ROW_ROLES) * LAYERS} backbone GEMMs"
+        in out
+    )
