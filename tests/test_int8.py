@@ -11,6 +11,7 @@ from dataclasses import asdict
 import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.build import build_model
@@ -94,7 +95,15 @@ def test_int8_graph_quantizes_the_gemms_and_keeps_the_rest_in_fp32(built_st, int
                 layer.attention.self.value, layer.attention.output.dense, layer.intermediate.dense,
                 layer.output.dense))  # fmt: skip
     down = sum(block.down_w.numel() for block in model.blocks if hasattr(block, "down_w"))  # adapter sites only
-    assert by_type[onnx.TensorProto.INT8] == gemms + down  # exactly the backbone's GEMMs and the adapters' down
+    # per-row GEMMs (rowwise.py) carry int8 rows beyond K that subtract each row's zero point: (K + J, N) weights
+    inits = {t.name: t for t in graph.initializer}
+    zero_point_rows = sum(
+        (t.dims[0] - int(numpy_helper.to_array(inits[name.replace("_wq", "_rows_k")])[1])) * t.dims[1]
+        for name, t in inits.items()
+        if name.endswith("_wq")
+    )
+    assert 0 < zero_point_rows < (gemms + down) / 4
+    assert by_type[onnx.TensorProto.INT8] == gemms + down + zero_point_rows  # the backbone's GEMMs and adapters' down
     embeddings = model.backbone.model.embeddings.word_embeddings.weight.numel()
     assert by_type[onnx.TensorProto.FLOAT] > embeddings  # those stay float (with the rest)
     assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.INT64] * 4

@@ -13,7 +13,7 @@ from onnx import helper as oh
 from fusionserve.export.build import build_model
 from fusionserve.export.gemm_roles import ROW_ROLES
 from fusionserve.export.quantize import Int8Options, backbone_roles
-from fusionserve.export.rowwise import quantize_rows
+from fusionserve.export.rowwise import quantize_rows, weight_int8, zero_point_rows
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, count_cases
 from fusionserve.serving.artifact import load_artifact
@@ -91,6 +91,18 @@ def test_a_rows_answer_does_not_depend_on_its_batch(gemm):
     out = gemm["row"].run(None, {"X": zeros})[0]
     bias = gemm[None].run(None, {"X": zeros})[0]
     np.testing.assert_allclose(out, bias, rtol=0, atol=1e-6)
+
+
+def test_zero_point_rows_cancel_the_weight_column_sums_in_int8():
+    """The rows appended to the int8 weight sum, per column, to minus its column sum (so that the row zero points,
+    appended to the input, subtract ``z * column sum`` inside the integer GEMM), each entry within int8."""
+    w = np.random.default_rng(4).standard_normal((300, 7)).astype(np.float32)
+    w[:, 0] = np.abs(w[:, 0])  # a column of one sign: its sum is the largest (about 300 * 127 / 3)
+    wq, _ = weight_int8(w)
+    extra = zero_point_rows(wq)
+    assert extra.dtype == np.int8 and np.abs(extra).max() <= 127
+    np.testing.assert_array_equal(extra.astype(np.int64).sum(0), -wq.astype(np.int64).sum(0))
+    assert len(extra) == int(np.ceil(np.abs(wq.astype(np.int64).sum(0)).max() / 127))  # as few rows as int8 allows
 
 
 def test_quantize_rows_refuses_what_it_cannot_rewrite():
