@@ -17,8 +17,6 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from fusionserve.settings import replica_grpc_host
-
 from . import fusionserve_pb2 as pb
 from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
 from .classify import Classifier, parse_fields
@@ -151,30 +149,6 @@ async def classify_grpc(
     if context is not None:
         context.set_trailing_metadata([(f"fusionserve-{k}", v) for k, v in where.items()])
     return response_message(outcome, lambda task: core.artifact.tasks[task].labels)
-
-
-def bind_replica_grpc() -> None:
-    """In a replica: bind Serve's gRPC server of this replica (HAProxy's gRPC target, which it reaches on 127.0.0.1
-    on its own node) to ``replica_grpc_host()`` instead of every interface. Ray 2.60 writes ``[::]:PORT`` into
-    ``grpc_util.start_grpc_server`` and takes ``add_grpc_address`` from ``serve._private.default_impl`` when it
-    starts the server, after the replica's constructor: this patches that one function in this process (a private
-    API; nothing else binds through it in a replica). No-op without the setting."""
-    host = replica_grpc_host()
-    if host is None:
-        return
-    from ray.serve._private import default_impl
-
-    original = default_impl.add_grpc_address
-    if getattr(original, "__wrapped__", None) is not None:  # patched already (a second replica in this process)
-        return
-
-    def add_grpc_address(server: Any, address: str) -> Any:
-        if address.startswith("[::]:"):
-            address = f"{host}:{address[len('[::]:') :]}"
-        return original(server, address)
-
-    add_grpc_address.__wrapped__ = original  # type: ignore[attr-defined]
-    default_impl.add_grpc_address = add_grpc_address
 
 
 def _refuse(context: Any, refusal: HTTPError, where: dict[str, str]) -> None:

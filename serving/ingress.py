@@ -24,6 +24,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fusionserve.errors import FusionServeError
@@ -154,8 +155,9 @@ def ingress_env(
 ) -> dict[str, str]:
     """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin and metrics sockets and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
-    Ray nodes) on one machine never share them; and fusionserve's rules in its config (serving/haproxy_rules.py:
-    requests not complete within ``body_timeout_s`` get 408 and their connection closed, JSON error pages).
+    Ray nodes) on one machine never share them, both bound to 127.0.0.1; and fusionserve's rules in its config
+    (serving/haproxy_rules.py: requests not complete within ``body_timeout_s`` get 408 and their connection closed,
+    JSON error pages).
 
     Raises FusionServeError for an unknown ingress."""
     env = node_env(ingress)
@@ -188,7 +190,8 @@ def ingress_env(
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
         command = _haproxy_command()
         if command is not None:  # none: Serve says so itself when it starts HAProxy
-            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s))
+            pages = (int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]))
+            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s, private_ports=pages))
     return env
 
 
@@ -230,6 +233,48 @@ def routed_replicas(folder: Path, app: str) -> int | None:
         r.get("pxname") == f"http-{app}" and r.get("svname", "").startswith("SERVE_REPLICA") and r.get("status") == "UP"
         for r in rows
     )
+
+
+def wait_routed(url: str, timeout_s: float = 120.0) -> None:
+    """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
+    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises
+    FusionServeError after ``timeout_s``."""
+    import urllib.error
+    import urllib.request
+
+    probe = url.replace("://0.0.0.0:", "://127.0.0.1:") + "/v1/tasks"
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(probe, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:  # the application answered: it asks for its API key
+                return
+            last = str(exc)
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise FusionServeError(f"the application was deployed but {probe} did not answer within {timeout_s:.0f} s ({last})")
+
+
+def wait_all_routed(folder: Path, app: str, expected: int, say: Callable[[str], object], timeout_s: float = 120.0) -> None:
+    """Wait until HAProxy routes to ``expected`` replicas of ``app``: Serve reports the deployment running before HAProxy has
+    reloaded with every replica and health-checked it (seen: the second of two joined 0.5-2 s after the first, longer
+    on a busy machine), and until then every request goes to the first. After ``timeout_s`` it says so and goes on:
+    the others join as they become healthy."""
+    deadline = time.monotonic() + timeout_s
+    routed = routed_replicas(folder, app)
+    while routed is not None and routed < expected:
+        if time.monotonic() > deadline:
+            say(
+                f"only {routed} of {expected} replicas are routed after {timeout_s:.0f} s; the others join as they become healthy"
+            )
+            return
+        time.sleep(0.2)
+        routed = routed_replicas(folder, app)
 
 
 def reap(folder: Path) -> list[int]:
