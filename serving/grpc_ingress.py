@@ -11,7 +11,6 @@ deserializer as UNKNOWN. A message over the size limit is refused by gRPC as it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -86,11 +85,15 @@ def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
     return fields
 
 
-def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labels: tuple[str, ...]) -> None:
-    """One task's answer (classify.answer's data) into ``out``; scores in ``labels`` order."""
+def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any]) -> None:
+    """One task's answer (classify.answer's data) into ``out``. The labels are the answer's own (the keys of its
+    scores, in the task's order): a lookup in the revision served after the answer could miss a task removed or
+    replaced meanwhile."""
+    preds = answer["predictions"]
+    labels = tuple(preds[0]["scores"]) if preds else ()
     out.task = answer["task"]
     out.labels.extend(labels)
-    for p in answer["predictions"]:
+    for p in preds:
         out.predictions.add(
             label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
         )
@@ -103,14 +106,14 @@ def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labe
         )
 
 
-def response_message(answer: dict[str, Any], labels: Callable[[str], tuple[str, ...]]) -> pb.ClassifyResponse:
-    """The answer (one task's, or ``{"results": [...]}``) as the proto message; ``labels`` gives a task's labels."""
+def response_message(answer: dict[str, Any]) -> pb.ClassifyResponse:
+    """The answer (one task's, or ``{"results": [...]}``) as the proto message."""
     out = pb.ClassifyResponse()
     if "results" in answer:
         for one in answer["results"]:
-            _fill(out.results.add(), one, labels(one["task"]))
+            _fill(out.results.add(), one)
     else:
-        _fill(out, answer, labels(answer["task"]))
+        _fill(out, answer)
     return out
 
 
@@ -150,7 +153,7 @@ async def classify_grpc(
         return pb.ClassifyResponse()
     if context is not None:
         context.set_trailing_metadata([(f"fusionserve-{k}", v) for k, v in where.items()])
-    return response_message(outcome, lambda task: core.artifact.tasks[task].labels)
+    return response_message(outcome)
 
 
 def bind_replica_grpc() -> None:
