@@ -318,19 +318,23 @@ def _command_lines_naming(folder: Path) -> dict[int, str]:
     return found
 
 
-def test_haproxy_fits_the_open_file_limit_it_gets():
+def test_haproxy_fits_the_open_file_limit_it_gets(tmp_path):
     """HAProxy asks for ~10,300 descriptors for Serve's 4096 connections and, under a 1024 limit (a common default,
     and what `buildah run` gives), did not start at all ("Cannot raise FD limit"). The soft limit is raised to the
     hard one; when even that is short, HAProxy's connection limit is lowered to fit."""
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])));"
-        "from fusionserve.serving.ingress import ingress_env; env = ingress_env('haproxy');"
+        "from pathlib import Path; from fusionserve.serving.ingress import ingress_env;"
+        "env = ingress_env('haproxy', Path(sys.argv[3]));"
         "print(env.get('RAY_SERVE_HAPROXY_MAXCONN'), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
 
     def run(soft, hard):
         return subprocess.run(
-            [sys.executable, "-c", code, str(soft), str(hard)], capture_output=True, text=True, check=True
+            [sys.executable, "-c", code, str(soft), str(hard), str(tmp_path / f"{soft}-{hard}")],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split()
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -339,27 +343,27 @@ def test_haproxy_fits_the_open_file_limit_it_gets():
         assert run(1024, 10_500) == ["None", "10500"]  # raised to the hard limit: Serve's default stands
 
 
-def test_each_server_has_its_own_fallback_proxy_ports():
+def test_each_server_has_its_own_fallback_proxy_ports(tmp_path):
     """With HAProxy, Serve also starts a fallback proxy (HAProxy's backup server when no replica is up) on 8500 / 9500
     unless told otherwise, bound with port reuse: two servers on one machine both listened on 127.0.0.1:8500 (seen with
     ss), so one server's HAProxy could hand requests to the other server's model. Each server gets free ports of its own."""
     from fusionserve.serving.ingress import ingress_env, port_holder
 
-    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     for key in ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
         assert first[key] != second[key]
         assert port_holder("127.0.0.1", int(first[key])) is None
     assert "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT" not in ingress_env("proxy")  # Serve's proxy ingress has no fallback
 
 
-def test_each_server_has_its_own_replica_grpc_ports():
+def test_each_server_has_its_own_replica_grpc_ports(tmp_path):
     """Serve binds the replicas' gRPC ports with port reuse on (its option to turn it off is a string gRPC ignores):
     with Serve's one default range, the first replica of every server on a machine listened on *:40000 (seen with ss:
     three servers' replicas on one port), and gRPC calls through one server's HAProxy reached the others' models (a
     call got another server's size limit). Each server's replicas take their gRPC ports from a free range of its own."""
     from fusionserve.serving.ingress import ingress_env, port_holder
 
-    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
     assert low != int(second["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) and low < high <= 65535
     assert port_holder("127.0.0.1", low) is None
