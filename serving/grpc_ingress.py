@@ -11,6 +11,7 @@ deserializer as UNKNOWN. A message over the size limit is refused by gRPC as it 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -36,6 +37,10 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 ERROR_TYPE_KEY = "fusionserve-error-type"
+CALL_DEADLINE = "_fusionserve_call_deadline"  # the gRPC call's deadline (time.monotonic()), see record_call_deadlines
+# a call still queued this long before its own deadline is dropped and answered DEADLINE_EXCEEDED by us, before gRPC
+# cancels it at the deadline (which would count it as a caller gone): no queued request is answered within it
+CALL_DEADLINE_MARGIN_S = 0.02
 SERVICE = "fusionserve.v1.Classifier"
 MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC servers' message limit, read when they start
 TRANSPORT_FLOOR_BYTES = 4 * 1024 * 1024  # gRPC's own default: room for the answers, which share the limit
@@ -147,7 +152,8 @@ async def classify_grpc(
             raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
         return parse_fields(request_fields(decode(raw)))
 
-    outcome = await core(read, METHOD)
+    call_deadline = getattr(context, CALL_DEADLINE, None)
+    outcome = await core(read, METHOD, deadline=None if call_deadline is None else call_deadline - CALL_DEADLINE_MARGIN_S)
     if isinstance(outcome, HTTPError):
         _refuse(context, outcome, where)
         return pb.ClassifyResponse()
@@ -178,6 +184,28 @@ def bind_replica_grpc() -> None:
 
     add_grpc_address.__wrapped__ = original  # type: ignore[attr-defined]
     default_impl.add_grpc_address = add_grpc_address
+
+
+def record_call_deadlines() -> None:
+    """In a replica: keep each gRPC call's own deadline (the client's timeout, sent as ``grpc-timeout``) on the
+    context Serve hands ``Classify``, as ``CALL_DEADLINE``. Serve's RayServegRPCContext copies the metadata, peer and
+    codes of the real gRPC context but not ``time_remaining()``; this wraps its constructor in this process (a
+    private API, like ``bind_replica_grpc``) to read it when the call arrives. A context without it (no deadline, or
+    Serve changed) leaves the request without one."""
+    from ray.serve import grpc_util
+
+    cls = grpc_util.RayServegRPCContext
+    original = cls.__init__
+    if getattr(original, "__wrapped__", None) is not None:  # patched already (a second replica in this process)
+        return
+
+    def __init__(self: Any, grpc_context: Any) -> None:
+        original(self, grpc_context)
+        remaining = getattr(grpc_context, "time_remaining", lambda: None)()
+        setattr(self, CALL_DEADLINE, None if remaining is None else time.monotonic() + remaining)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _refuse(context: Any, refusal: HTTPError, where: dict[str, str]) -> None:
