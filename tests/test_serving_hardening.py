@@ -4,7 +4,6 @@ port is refused before anything starts, and SIGTERM stops everything it started.
 
 import json
 import os
-import random
 import resource
 import signal
 import socket
@@ -27,6 +26,7 @@ from tests.serving_helpers import (
     free_port,
     haproxy_config,
     launch,
+    mutations,
     new_mark,
     stop,
 )
@@ -108,20 +108,7 @@ def _corpus() -> list[bytes]:
         b'{"task": "' + b"y" * 16_500 + b'", "inputs": ["a"]}', json.dumps({"tasks": ["n" * 100 + str(i) for i in range(300)], "inputs": ["a"]}).encode(),
         b'{"task": "rte", "inputs": ["' + b"word " * 180_000 + b'"]}', b'{"task": "rte", "strict": true, "inputs": ["' + b"w " * 400_000 + b'"]}',
     ]  # fmt: skip
-    rng = random.Random(0)
-    mutated = []
-    for _ in range(150):
-        b = bytearray(good)
-        for _ in range(rng.randint(1, 6)):
-            op, i = rng.random(), rng.randrange(len(b))
-            if op < 0.4:
-                b[i] = rng.randrange(256)
-            elif op < 0.7:
-                b.insert(i, rng.randrange(256))
-            else:
-                del b[i]
-        mutated.append(bytes(b))
-    return fixed + mutated
+    return fixed + mutations(good, 150, 6)
 
 
 def test_fuzzed_bodies_never_get_a_500_and_the_server_keeps_serving(server):
