@@ -354,3 +354,22 @@ def test_each_server_has_its_own_replica_grpc_ports(tmp_path):
     low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
     assert low != int(second["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) and low < high <= 65535
     assert port_holder("127.0.0.1", low) is None
+
+
+def test_free_port_never_hands_out_one_port_twice_in_a_process(tmp_path):
+    """Ports are drawn at random and stay free until their user binds them: two draws for one `ray start` once gave
+    two of its components the same port ("Ray component metrics_export is trying to use a port number 29665 that is
+    used by other components"), and a server's other ports may not fall in its replicas' gRPC range either."""
+    code = (
+        "import json, sys; from pathlib import Path; from fusionserve.serving.ingress import free_port, ingress_env;"
+        "env = ingress_env('haproxy', Path(sys.argv[1]));"
+        "print(json.dumps({'env': env, 'ports': [free_port() for _ in range(1500)]}))"
+    )  # a process of its own: 1500 ports handed out here would be 1500 fewer for the other tests of this one
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    )
+    env, ports = out["env"], out["ports"]
+    low, high = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
+    ours = [int(v) for k, v in env.items() if k.endswith("_PORT") and "DIRECT_INGRESS" not in k] + ports
+    assert len(set(ours)) == len(ours), sorted(p for p in set(ours) if ours.count(p) > 1)[:10]
+    assert not [p for p in ours if low <= p <= high]
