@@ -11,7 +11,7 @@ deserializer as UNKNOWN. A message over the size limit is refused by gRPC as it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from typing import Any
 
 import grpc
@@ -35,6 +35,10 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 ERROR_TYPE_KEY = "fusionserve-error-type"
+CALL_DEADLINE = "_fusionserve_call_deadline"  # the gRPC call's deadline (time.monotonic()), see record_call_deadlines
+# a call still queued this long before its own deadline is dropped and answered DEADLINE_EXCEEDED by us, before gRPC
+# cancels it at the deadline (which would count it as a caller gone): no queued request is answered within it
+CALL_DEADLINE_MARGIN_S = 0.02
 SERVICE = "fusionserve.v1.Classifier"
 MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC servers' message limit, read when they start
 TRANSPORT_FLOOR_BYTES = 4 * 1024 * 1024  # gRPC's own default: room for the answers, which share the limit
@@ -84,11 +88,15 @@ def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
     return fields
 
 
-def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labels: tuple[str, ...]) -> None:
-    """One task's answer (classify.answer's data) into ``out``; scores in ``labels`` order."""
+def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any]) -> None:
+    """One task's answer (classify.answer's data) into ``out``. The labels are the answer's own (the keys of its
+    scores, in the task's order): a lookup in the revision served after the answer could miss a task removed or
+    replaced meanwhile."""
+    preds = answer["predictions"]
+    labels = tuple(preds[0]["scores"]) if preds else ()
     out.task = answer["task"]
     out.labels.extend(labels)
-    for p in answer["predictions"]:
+    for p in preds:
         out.predictions.add(
             label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
         )
@@ -101,14 +109,14 @@ def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labe
         )
 
 
-def response_message(answer: dict[str, Any], labels: Callable[[str], tuple[str, ...]]) -> pb.ClassifyResponse:
-    """The answer (one task's, or ``{"results": [...]}``) as the proto message; ``labels`` gives a task's labels."""
+def response_message(answer: dict[str, Any]) -> pb.ClassifyResponse:
+    """The answer (one task's, or ``{"results": [...]}``) as the proto message."""
     out = pb.ClassifyResponse()
     if "results" in answer:
         for one in answer["results"]:
-            _fill(out.results.add(), one, labels(one["task"]))
+            _fill(out.results.add(), one)
     else:
-        _fill(out, answer, labels(answer["task"]))
+        _fill(out, answer)
     return out
 
 
@@ -142,13 +150,36 @@ async def classify_grpc(
             raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
         return parse_fields(request_fields(decode(raw)))
 
-    outcome = await core(read, METHOD)
+    call_deadline = getattr(context, CALL_DEADLINE, None)
+    outcome = await core(read, METHOD, deadline=None if call_deadline is None else call_deadline - CALL_DEADLINE_MARGIN_S)
     if isinstance(outcome, HTTPError):
         _refuse(context, outcome, where)
         return pb.ClassifyResponse()
     if context is not None:
         context.set_trailing_metadata([(f"fusionserve-{k}", v) for k, v in where.items()])
-    return response_message(outcome, lambda task: core.artifact.tasks[task].labels)
+    return response_message(outcome)
+
+
+def record_call_deadlines() -> None:
+    """In a replica: keep each gRPC call's own deadline (the client's timeout, sent as ``grpc-timeout``) on the
+    context Serve hands ``Classify``, as ``CALL_DEADLINE``. Serve's RayServegRPCContext copies the metadata, peer and
+    codes of the real gRPC context but not ``time_remaining()``; this wraps its constructor in this process (a
+    private API) to read it when the call arrives. A context without it (no deadline, or Serve changed) leaves the
+    request without one."""
+    from ray.serve import grpc_util
+
+    cls = grpc_util.RayServegRPCContext
+    original = cls.__init__
+    if getattr(original, "__wrapped__", None) is not None:  # patched already (a second replica in this process)
+        return
+
+    def __init__(self: Any, grpc_context: Any) -> None:
+        original(self, grpc_context)
+        remaining = getattr(grpc_context, "time_remaining", lambda: None)()
+        setattr(self, CALL_DEADLINE, None if remaining is None else time.monotonic() + remaining)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _refuse(context: Any, refusal: HTTPError, where: dict[str, str]) -> None:

@@ -84,21 +84,31 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+# every port free_port has handed out in this process (and the replica gRPC ranges of ingress_env): a port is free
+# until whoever asked for it binds it, so a second draw could return it again - two of one `ray start`'s ports
+# were the same once ("Ray component metrics_export is trying to use a port number 29665 that is used by other
+# components"); the kernel never hands out one port twice in a row, but random draws from a range do
+_GIVEN: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (on ``host`` nor on every interface), drawn at random outside the
-    kernel's ephemeral range and none of Ray's default ports; the kernel's choice if no such port is found."""
+    """A TCP port nothing listens on right now (on ``host`` nor on every interface) and not handed out before by
+    this process, drawn at random outside the kernel's ephemeral range and none of Ray's default ports; the kernel's
+    choice if no such port is found."""
     ephemeral = _ephemeral_ports()
     for _ in range(256):
         port = random.choice(_DRAWN_PORTS)
-        if port in ephemeral or port in _RAY_DEFAULT_PORTS:
+        if port in ephemeral or port in _RAY_DEFAULT_PORTS or port in _GIVEN:
             continue
         if _bindable(host, port) and _bindable("0.0.0.0", port):
+            _GIVEN.add(port)
             return port
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
             port = int(s.getsockname()[1])
-        if port not in _RAY_DEFAULT_PORTS:
+        if port not in _RAY_DEFAULT_PORTS and port not in _GIVEN:
+            _GIVEN.add(port)
             return port
 
 
@@ -164,6 +174,7 @@ def ingress_env(
     if VARIANTS[ingress][0] == "haproxy":
         folder = workdir or Path(tempfile.mkdtemp(prefix="fs-"))
         grpc_first = free_port()
+        _GIVEN.update(range(grpc_first, grpc_first + _GRPC_PORTS + 1))  # the replicas' range: no other port of ours
         folder.mkdir(parents=True, exist_ok=True)
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
