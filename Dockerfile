@@ -34,6 +34,13 @@ FROM ${BASE_IMAGE} AS python
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
 
+# --- the loopback shim (serving/loopback.py): built here, where a C compiler is; only the library reaches the image,
+# which then keeps Ray's own ports on loopback without one (FUSIONSERVE_LOOPBACK_SHIM below)
+FROM python AS shim
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+COPY serving/loopback_bind.c /src/
+RUN gcc -shared -fPIC -O2 -o /src/loopback_bind.so /src/loopback_bind.c -ldl
+
 # --- export: spec -> validated artifact (torch CPU wheel, transformers, the base weights) -------------------
 FROM python AS export
 ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -106,14 +113,16 @@ ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", 
 # --- the image: runtime + artifact, non-root -----------------------------------------------------------------
 FROM runtime-${VARIANT}
 COPY --from=export /artifact /artifact
+COPY --from=shim /src/loopback_bind.so /opt/fusionserve/loopback_bind.so
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin fusionserve
 USER fusionserve
 WORKDIR /home/fusionserve
-# offline at run time too; Ray writes its logs and sockets under /tmp/ray
-ENV HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+# offline at run time too; Ray writes its logs and sockets under /tmp/ray; Ray's own ports on loopback (the prebuilt shim)
+ENV HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 FUSIONSERVE_LOOPBACK_SHIM=/opt/fusionserve/loopback_bind.so
 EXPOSE 8000
 # /readyz answers 200 only when the model answered a real request; Ray and the first session take a while
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=8)"]
-# Inside a container the port must bind all interfaces to be reachable; publish it only where you mean to.
+# Inside a container the port must bind all interfaces to be reachable; publish it only where you mean to. Only the
+# serving port does: everything else of Ray and HAProxy listens on the container's loopback (docs/guides/serving.md).
 CMD []

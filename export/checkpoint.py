@@ -274,6 +274,8 @@ def _fusion_sites(folder: Path, cfg: dict[str, Any], hidden: int, fusion_name: s
         m = _FUSION_KEY.search(key)
         if m is None:
             raise CheckpointError(f"{folder}: unexpected weight '{key}' for an adapter fusion")
+        if m.group(3) != fusion_name and m.group(3).startswith(fusion_name):
+            continue  # save_adapter_fusion("a,b") also writes fusions named "a,b..." ("a,b,c"): not this one's
         if m.group(3) != fusion_name:
             raise CheckpointError(f"{folder}: weight '{key}' belongs to fusion '{m.group(3)}', not '{fusion_name}'")
         site = Site(int(m.group(1)), _PLACE_OF[m.group(2)])

@@ -6,6 +6,14 @@ the default model's exported artifact to ``<root>/artifacts``.
 ``FUSIONSERVE_API_KEY``: the key (or several, comma-separated: rotation) every model route of ``fusionserve serve``
 asks for as ``Authorization: Bearer KEY``; read by the server and by each replica from its own environment, so the
 key is never written into a config, an argument list Ray records, or a log.
+
+``FUSIONSERVE_LOOPBACK_SHIM``: a prebuilt loopback shim (``serving/loopback_bind.c`` compiled) for ``fusionserve serve``
+to preload into the Ray it starts, instead of building one with the system's C compiler (serving/loopback.py).
+
+``FUSIONSERVE_OPEN_PORTS``: set by ``fusionserve serve`` for the Ray it starts, read by the shim itself: the ports
+(comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
+
+``CC``: the C compiler that builds the loopback shim, tried before ``cc``, ``gcc`` and ``clang`` on the PATH.
 """
 
 from __future__ import annotations
@@ -14,20 +22,17 @@ import os
 from pathlib import Path
 
 CACHE_ENV = "FUSIONSERVE_CACHE"
-# set by `fusionserve serve --host <loopback>` for the Ray it starts: the address the replicas bind their own gRPC
-# server to (Serve's is every interface); read in the replicas (serving/grpc_ingress.py)
-REPLICA_GRPC_HOST_ENV = "FUSIONSERVE_REPLICA_GRPC_HOST"
+# the loopback shim (serving/loopback.py): a prebuilt library to preload instead of building one; and the ports that
+# keep the wildcard address, set by the server for the Ray it starts and read by the shim itself (loopback_bind.c)
+LOOPBACK_SHIM_ENV = "FUSIONSERVE_LOOPBACK_SHIM"
+OPEN_PORTS_ENV = "FUSIONSERVE_OPEN_PORTS"
+HANDOFF_ENV = "FUSIONSERVE_SERVER_HANDOFF"  # internal: a supervised server's options across its exec with the shim
 
 
 def cache_root() -> Path:
     """``$FUSIONSERVE_CACHE`` if set (``~`` expanded), else ``~/.cache/fusionserve``."""
     root = os.environ.get(CACHE_ENV)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "fusionserve"
-
-
-def replica_grpc_host() -> str | None:
-    """``$FUSIONSERVE_REPLICA_GRPC_HOST``, or None (Serve's own choice: every interface)."""
-    return os.environ.get(REPLICA_GRPC_HOST_ENV) or None
 
 
 API_KEY_ENV = "FUSIONSERVE_API_KEY"  # the key(s) every model route asks for; several, comma-separated, for rotation
@@ -41,3 +46,8 @@ def parse_keys(value: str) -> tuple[str, ...]:
 def api_keys(variable: str = API_KEY_ENV) -> tuple[str, ...]:
     """The API keys in ``$variable`` (see ``parse_keys``): none when it is unset or empty."""
     return parse_keys(os.environ.get(variable, ""))
+
+
+def c_compiler() -> str | None:
+    """``$CC`` (the C compiler the loopback shim is built with first), or None."""
+    return os.environ.get("CC") or None

@@ -103,6 +103,22 @@ def _misfits(record: Record, columns: Sequence[str], known: set[str], fmt: str) 
     )
 
 
+class _QuotingCsv:
+    """Rows ending in \\n, with every field that holds a \\r or a \\n quoted: ``csv.writer`` quotes only the characters
+    of its line terminator, so with ``"\\n"`` a field's lone \\r went out bare and split the row on reading back.
+    Each row is written with the terminator ``"\\r\\n"`` (both characters quoted) into a buffer, then ends in \\n."""
+
+    def __init__(self, text: io.TextIOBase) -> None:
+        self._text, self._buffer = text, io.StringIO()
+        self._csv = csv.writer(self._buffer, lineterminator="\r\n")
+
+    def writerow(self, row: Sequence[object]) -> None:
+        self._buffer.seek(0)
+        self._buffer.truncate()
+        self._csv.writerow(row)
+        self._text.write(self._buffer.getvalue()[:-2] + "\n")
+
+
 class CsvWriter(_AppendFile):
     """CSV with a header row; ``columns`` None: the keys of the first records written (JSONL input)."""
 
@@ -113,7 +129,7 @@ class CsvWriter(_AppendFile):
                 columns = csv_header(fh, path)
         self.columns = list(columns) if columns is not None else None
         self._text = io.TextIOWrapper(self.fh, encoding="utf-8", newline="", write_through=True)
-        self._csv = csv.writer(self._text, lineterminator="\n")
+        self._csv = _QuotingCsv(self._text)
 
     def write(self, rows: Sequence[int], records: Sequence[Record]) -> list[tuple[int, str]]:
         """Append ``records``; returns the (row, reason) of those with fields outside the columns."""

@@ -31,7 +31,7 @@ from .artifact import MANIFEST, ArtifactError, load_artifact, sha256
 from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
 from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log, log_unexpected, parse_json
-from .grpc_ingress import bind_replica_grpc, classify_grpc
+from .grpc_ingress import classify_grpc, record_call_deadlines
 from .metrics import Metrics
 from .options import bounded
 from .predictions import TextInput
@@ -204,7 +204,7 @@ class FusionServe:
         artifact_sha256: str | None = None, api_key_env: str | None = None, open_metrics: bool = True,
         default_task: str | None = None,
     ) -> None:  # fmt: skip
-        bind_replica_grpc()  # before Serve starts this replica's gRPC server, right after this constructor
+        record_call_deadlines()
         artifact = load_artifact(artifact_dir)
         _check_identity(artifact.folder, artifact_sha256)
         # the keys from this process's own environment (never an argument: see serving/auth.py); none set: refused

@@ -95,11 +95,16 @@ class Classifier:
         return self.scheduler.runner.artifact
 
     async def __call__(
-        self, read: Callable[[], Awaitable[ClassifyRequest]], where: str, timeout: str | None = None
+        self,
+        read: Callable[[], Awaitable[ClassifyRequest]],
+        where: str,
+        timeout: str | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any] | HTTPError:
         """``read`` gets and parses the request (raising HTTPError for what it refuses); ``timeout`` is the
-        X-Request-Timeout-Ms header's value, if any (the request's ``timeout_ms`` counts too: the earlier deadline
-        wins, from the moment it arrived). Returns the answer (one task's, or ``{"results": [...]}`` for several),
+        X-Request-Timeout-Ms header's value, if any, and ``deadline`` a ``time.monotonic()`` instant set by the
+        transport (a gRPC call's own deadline); the request's ``timeout_ms`` counts too: the earliest deadline wins,
+        the timeouts counted from the moment it arrived. Returns the answer (one task's, or ``{"results": [...]}`` for several),
         or the refusal to send instead. Never raises, except CancelledError when the caller goes away (the request's
         rows not yet computed are dropped, and it is counted as dropped): an error of ours becomes a 500 refusal
         whose id is in the log."""
@@ -116,7 +121,7 @@ class Classifier:
             self._check(req, inputs, entries)
             if req.timeout_ms is not None:
                 limits_ms.append(req.timeout_ms)
-            deadline = arrived + min(limits_ms) / 1000 if limits_ms else None
+            deadline = min([d for d in (deadline,) if d is not None] + [arrived + ms / 1000 for ms in limits_ms], default=None)
             result = await self.scheduler.submit(
                 req.task_names,
                 inputs,

@@ -11,13 +11,11 @@ deserializer as UNKNOWN. A message over the size limit is refused by gRPC as it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from fusionserve.settings import replica_grpc_host
 
 from . import fusionserve_pb2 as pb
 from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
@@ -37,6 +35,10 @@ STATUS_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 ERROR_TYPE_KEY = "fusionserve-error-type"
+CALL_DEADLINE = "_fusionserve_call_deadline"  # the gRPC call's deadline (time.monotonic()), see record_call_deadlines
+# a call still queued this long before its own deadline is dropped and answered DEADLINE_EXCEEDED by us, before gRPC
+# cancels it at the deadline (which would count it as a caller gone): no queued request is answered within it
+CALL_DEADLINE_MARGIN_S = 0.02
 SERVICE = "fusionserve.v1.Classifier"
 MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC servers' message limit, read when they start
 TRANSPORT_FLOOR_BYTES = 4 * 1024 * 1024  # gRPC's own default: room for the answers, which share the limit
@@ -86,11 +88,15 @@ def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
     return fields
 
 
-def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labels: tuple[str, ...]) -> None:
-    """One task's answer (classify.answer's data) into ``out``; scores in ``labels`` order."""
+def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any]) -> None:
+    """One task's answer (classify.answer's data) into ``out``. The labels are the answer's own (the keys of its
+    scores, in the task's order): a lookup in the revision served after the answer could miss a task removed or
+    replaced meanwhile."""
+    preds = answer["predictions"]
+    labels = tuple(preds[0]["scores"]) if preds else ()
     out.task = answer["task"]
     out.labels.extend(labels)
-    for p in answer["predictions"]:
+    for p in preds:
         out.predictions.add(
             label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
         )
@@ -103,14 +109,14 @@ def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any], labe
         )
 
 
-def response_message(answer: dict[str, Any], labels: Callable[[str], tuple[str, ...]]) -> pb.ClassifyResponse:
-    """The answer (one task's, or ``{"results": [...]}``) as the proto message; ``labels`` gives a task's labels."""
+def response_message(answer: dict[str, Any]) -> pb.ClassifyResponse:
+    """The answer (one task's, or ``{"results": [...]}``) as the proto message."""
     out = pb.ClassifyResponse()
     if "results" in answer:
         for one in answer["results"]:
-            _fill(out.results.add(), one, labels(one["task"]))
+            _fill(out.results.add(), one)
     else:
-        _fill(out, answer, labels(answer["task"]))
+        _fill(out, answer)
     return out
 
 
@@ -144,37 +150,36 @@ async def classify_grpc(
             raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
         return parse_fields(request_fields(decode(raw)))
 
-    outcome = await core(read, METHOD)
+    call_deadline = getattr(context, CALL_DEADLINE, None)
+    outcome = await core(read, METHOD, deadline=None if call_deadline is None else call_deadline - CALL_DEADLINE_MARGIN_S)
     if isinstance(outcome, HTTPError):
         _refuse(context, outcome, where)
         return pb.ClassifyResponse()
     if context is not None:
         context.set_trailing_metadata([(f"fusionserve-{k}", v) for k, v in where.items()])
-    return response_message(outcome, lambda task: core.artifact.tasks[task].labels)
+    return response_message(outcome)
 
 
-def bind_replica_grpc() -> None:
-    """In a replica: bind Serve's gRPC server of this replica (HAProxy's gRPC target, which it reaches on 127.0.0.1
-    on its own node) to ``replica_grpc_host()`` instead of every interface. Ray 2.60 writes ``[::]:PORT`` into
-    ``grpc_util.start_grpc_server`` and takes ``add_grpc_address`` from ``serve._private.default_impl`` when it
-    starts the server, after the replica's constructor: this patches that one function in this process (a private
-    API; nothing else binds through it in a replica). No-op without the setting."""
-    host = replica_grpc_host()
-    if host is None:
-        return
-    from ray.serve._private import default_impl
+def record_call_deadlines() -> None:
+    """In a replica: keep each gRPC call's own deadline (the client's timeout, sent as ``grpc-timeout``) on the
+    context Serve hands ``Classify``, as ``CALL_DEADLINE``. Serve's RayServegRPCContext copies the metadata, peer and
+    codes of the real gRPC context but not ``time_remaining()``; this wraps its constructor in this process (a
+    private API) to read it when the call arrives. A context without it (no deadline, or Serve changed) leaves the
+    request without one."""
+    from ray.serve import grpc_util
 
-    original = default_impl.add_grpc_address
+    cls = grpc_util.RayServegRPCContext
+    original = cls.__init__
     if getattr(original, "__wrapped__", None) is not None:  # patched already (a second replica in this process)
         return
 
-    def add_grpc_address(server: Any, address: str) -> Any:
-        if address.startswith("[::]:"):
-            address = f"{host}:{address[len('[::]:') :]}"
-        return original(server, address)
+    def __init__(self: Any, grpc_context: Any) -> None:
+        original(self, grpc_context)
+        remaining = getattr(grpc_context, "time_remaining", lambda: None)()
+        setattr(self, CALL_DEADLINE, None if remaining is None else time.monotonic() + remaining)
 
-    add_grpc_address.__wrapped__ = original  # type: ignore[attr-defined]
-    default_impl.add_grpc_address = add_grpc_address
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _refuse(context: Any, refusal: HTTPError, where: dict[str, str]) -> None:

@@ -10,6 +10,11 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
   JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
+The wrapper also binds HAProxy's own pages (stats, Prometheus), which Serve's template puts on every interface
+(``bind *:PORT``, ``bind :PORT``), to 127.0.0.1: only the serving ports are for other machines (serving/loopback.py;
+an explicit address in the config, not the shim's, because HAProxy matches the listeners it takes over from its
+previous process on a reload by their configured address: a moved one did not match and paused the HTTP frontend).
+
 The wrapper also starts HAProxy with a parent-death signal (``setpriv --pdeathsig KILL``, where util-linux is
 there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/supervise.py).
 
@@ -55,6 +60,11 @@ def real_haproxy() -> str | None:
     return shutil.which("haproxy")
 
 
+def _to_loopback(port: int) -> str:
+    """A sed command: ``bind *:PORT`` or ``bind :PORT`` (every interface), options kept, to ``bind 127.0.0.1:PORT``."""
+    return r"s/^\( *bind \)\*\{0,1\}:PORT\(\( .*\)\{0,1\}\)$/\1127.0.0.1:PORT\2/".replace("PORT", str(port))
+
+
 def _is_wrapper(path: str) -> bool:
     try:
         return MARK[2:] in Path(path).read_text(errors="replace")[:200]
@@ -62,10 +72,11 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
-def write_wrapper(folder: Path, command: list[str], body_timeout_s: float) -> Path:
+def write_wrapper(folder: Path, command: list[str], body_timeout_s: float, private_ports: tuple[int, ...] = ()) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
-    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given and runs ``command`` (HAProxy,
-    or a launcher of it) with the arguments it was given."""
+    for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given, binds the listeners on
+    ``private_ports`` (HAProxy's stats and Prometheus pages) to 127.0.0.1, and runs ``command`` (HAProxy, or a launcher
+    of it) with the arguments it was given."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
     (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
@@ -87,7 +98,8 @@ def write_wrapper(folder: Path, command: list[str], body_timeout_s: float) -> Pa
         'for arg in "$@"; do [ "$prev" = "-f" ] && cfg="$arg"; prev="$arg"; done\n'
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
         f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
-        "fi\n"
+        + "".join(f'  sed -i {shlex.quote(_to_loopback(port))} "$cfg"\n' for port in private_ports)
+        + "fi\n"
         f'exec {shlex.join(command)} "$@"\n'
     )
     wrapper.chmod(0o700)

@@ -24,6 +24,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fusionserve.errors import FusionServeError
@@ -83,21 +84,31 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+# every port free_port has handed out in this process (and the replica gRPC ranges of ingress_env): a port is free
+# until whoever asked for it binds it, so a second draw could return it again - two of one `ray start`'s ports
+# were the same once ("Ray component metrics_export is trying to use a port number 29665 that is used by other
+# components"); the kernel never hands out one port twice in a row, but random draws from a range do
+_GIVEN: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (on ``host`` nor on every interface), drawn at random outside the
-    kernel's ephemeral range and none of Ray's default ports; the kernel's choice if no such port is found."""
+    """A TCP port nothing listens on right now (on ``host`` nor on every interface) and not handed out before by
+    this process, drawn at random outside the kernel's ephemeral range and none of Ray's default ports; the kernel's
+    choice if no such port is found."""
     ephemeral = _ephemeral_ports()
     for _ in range(256):
         port = random.choice(_DRAWN_PORTS)
-        if port in ephemeral or port in _RAY_DEFAULT_PORTS:
+        if port in ephemeral or port in _RAY_DEFAULT_PORTS or port in _GIVEN:
             continue
         if _bindable(host, port) and _bindable("0.0.0.0", port):
+            _GIVEN.add(port)
             return port
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
             port = int(s.getsockname()[1])
-        if port not in _RAY_DEFAULT_PORTS:
+        if port not in _RAY_DEFAULT_PORTS and port not in _GIVEN:
+            _GIVEN.add(port)
             return port
 
 
@@ -154,14 +165,16 @@ def ingress_env(
 ) -> dict[str, str]:
     """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin and metrics sockets and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
-    Ray nodes) on one machine never share them; and fusionserve's rules in its config (serving/haproxy_rules.py:
-    requests not complete within ``body_timeout_s`` get 408 and their connection closed, JSON error pages).
+    Ray nodes) on one machine never share them, both bound to 127.0.0.1; and fusionserve's rules in its config
+    (serving/haproxy_rules.py: requests not complete within ``body_timeout_s`` get 408 and their connection closed,
+    JSON error pages).
 
     Raises FusionServeError for an unknown ingress."""
     env = node_env(ingress)
     if VARIANTS[ingress][0] == "haproxy":
         folder = workdir or Path(tempfile.mkdtemp(prefix="fs-"))
         grpc_first = free_port()
+        _GIVEN.update(range(grpc_first, grpc_first + _GRPC_PORTS + 1))  # the replicas' range: no other port of ours
         folder.mkdir(parents=True, exist_ok=True)
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
@@ -188,7 +201,8 @@ def ingress_env(
             env["RAY_SERVE_HAPROXY_MAXCONN"] = str(maxconn)
         command = _haproxy_command()
         if command is not None:  # none: Serve says so itself when it starts HAProxy
-            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s))
+            pages = (int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]))
+            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s, private_ports=pages))
     return env
 
 
@@ -230,6 +244,48 @@ def routed_replicas(folder: Path, app: str) -> int | None:
         r.get("pxname") == f"http-{app}" and r.get("svname", "").startswith("SERVE_REPLICA") and r.get("status") == "UP"
         for r in rows
     )
+
+
+def wait_routed(url: str, timeout_s: float = 120.0) -> None:
+    """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
+    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises
+    FusionServeError after ``timeout_s``."""
+    import urllib.error
+    import urllib.request
+
+    probe = url.replace("://0.0.0.0:", "://127.0.0.1:") + "/v1/tasks"
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(probe, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:  # the application answered: it asks for its API key
+                return
+            last = str(exc)
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise FusionServeError(f"the application was deployed but {probe} did not answer within {timeout_s:.0f} s ({last})")
+
+
+def wait_all_routed(folder: Path, app: str, expected: int, say: Callable[[str], object], timeout_s: float = 120.0) -> None:
+    """Wait until HAProxy routes to ``expected`` replicas of ``app``: Serve reports the deployment running before HAProxy has
+    reloaded with every replica and health-checked it (seen: the second of two joined 0.5-2 s after the first, longer
+    on a busy machine), and until then every request goes to the first. After ``timeout_s`` it says so and goes on:
+    the others join as they become healthy."""
+    deadline = time.monotonic() + timeout_s
+    routed = routed_replicas(folder, app)
+    while routed is not None and routed < expected:
+        if time.monotonic() > deadline:
+            say(
+                f"only {routed} of {expected} replicas are routed after {timeout_s:.0f} s; the others join as they become healthy"
+            )
+            return
+        time.sleep(0.2)
+        routed = routed_replicas(folder, app)
 
 
 def reap(folder: Path) -> list[int]:

@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,17 +16,27 @@ from typing import Any
 import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
-from fusionserve.settings import REPLICA_GRPC_HOST_ENV
 
+from . import loopback
 from .artifact import MANIFEST, load_artifact, sha256
 from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
 from .grpc_ingress import transport_env
-from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, routed_replicas
+from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, wait_all_routed, wait_routed
 from .runtime import make_session, resolve_device
-from .supervise import descendants, end_run, exit_with, new_run_folder, reap_stale, record, supervise, supervise_end
+from .supervise import (
+    descendants,
+    end_run,
+    exit_with,
+    new_run_folder,
+    reap_stale,
+    record,
+    resume_supervised,
+    supervise,
+    supervise_end,
+)
 
-__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "serve_supervised", "start", "stop"]
+__all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "serve_handed_over", "serve_supervised", "start", "stop"]
 APP_NAME = "fusionserve"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
@@ -71,6 +80,12 @@ class ServerConfig:
         check_ranges(options, flags=True)  # before AppArgs checks them again, to name them as the command's flags
         object.__setattr__(self, "app", AppArgs(artifact=str(self.artifact.resolve()), **options))
 
+    def options(self) -> dict[str, Any]:
+        """The options this configuration was made with, but the artifact, as JSON values: ``ServerConfig(cfg.artifact,
+        **cfg.options()) == cfg``."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("artifact", "app")}
+        return own | {k: v for k, v in self.app.model_dump(mode="json", exclude_unset=True).items() if k != "artifact"}
+
     def app_args(self, **extra: Any) -> AppArgs:
         """The builder's arguments for this configuration; ``extra`` adds or overrides some (the artifact as the
         replicas see it, the metrics folder)."""
@@ -96,7 +111,7 @@ def start(
     artifact, held = _check_before_ray(cfg)
     address = os.environ.get("RAY_ADDRESS")
     _ingress_dir = str(run_folder or new_run_folder())
-    _set_ray_env(cfg, Path(_ingress_dir), local=not address)
+    _set_ray_env(cfg, Path(_ingress_dir))
     say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
     # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
     # job's working_dir to the deployment, and the replicas load the artifact from their working directory
@@ -122,9 +137,9 @@ def start(
     _deployed = True  # from here on the application is this process's, even if serve.run fails halfway
     serve.run(application, name=APP_NAME, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
-    _wait_routed(url)
+    wait_routed(url)
     if _ingress_dir:
-        _wait_all_routed(Path(_ingress_dir), opts.min_replicas or opts.replicas, say)
+        wait_all_routed(Path(_ingress_dir), APP_NAME, opts.min_replicas or opts.replicas, say)
         record(Path(_ingress_dir), tree=descendants(os.getpid()))  # what a next start reaps if this run is killed
     return url
 
@@ -149,13 +164,11 @@ def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
     return artifact, held
 
 
-def _set_ray_env(cfg: ServerConfig, folder: Path, local: bool) -> None:
-    """The settings Ray's processes read when they start: the ingress's (HAProxy's files in ``folder``), Serve's
-    proxy's gRPC message limit, and, for a Ray of our own with a loopback --host, the replicas' own gRPC server on
-    loopback too (Serve's is every interface; 127.0.0.1 is where HAProxy reaches its own node's replicas)."""
+def _set_ray_env(cfg: ServerConfig, folder: Path) -> None:
+    """The settings Ray's processes read when they start: the ingress's (HAProxy's files in ``folder``) and Serve's
+    proxy's gRPC message limit. (What keeps them on loopback is in this process's environment from its start on:
+    ``serve_supervised``.)"""
     os.environ.update(ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
-    if local and cfg.host in LOOPBACK:
-        os.environ[REPLICA_GRPC_HOST_ENV] = "127.0.0.1"
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
@@ -247,48 +260,6 @@ def _delete_if_ours(serve: Any) -> None:
         print(f"fusionserve: the '{APP_NAME}' application was replaced by another deployment; leaving it", file=sys.stderr)
 
 
-def _wait_routed(url: str, timeout_s: float = 120.0) -> None:
-    """Return once the port answers the application's own route (200, or 401 when it asks for an API key): the
-    replicas report ready before the ingress (HAProxy) has its routes, and until then it answers 404. Raises
-    FusionServeError after ``timeout_s``."""
-    import urllib.error
-    import urllib.request
-
-    probe = url.replace("://0.0.0.0:", "://127.0.0.1:") + "/v1/tasks"
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(probe, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code == 401:  # the application answered: it asks for its API key
-                return
-            last = str(exc)
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise FusionServeError(f"the application was deployed but {probe} did not answer within {timeout_s:.0f} s ({last})")
-
-
-def _wait_all_routed(folder: Path, expected: int, say: Callable[[str], object], timeout_s: float = 120.0) -> None:
-    """Wait until HAProxy routes to ``expected`` replicas: Serve reports the deployment running before HAProxy has
-    reloaded with every replica and health-checked it (seen: the second of two joined 0.5-2 s after the first, longer
-    on a busy machine), and until then every request goes to the first. After ``timeout_s`` it says so and goes on:
-    the others join as they become healthy."""
-    deadline = time.monotonic() + timeout_s
-    routed = routed_replicas(folder, APP_NAME)
-    while routed is not None and routed < expected:
-        if time.monotonic() > deadline:
-            say(
-                f"only {routed} of {expected} replicas are routed after {timeout_s:.0f} s; the others join as they become healthy"
-            )
-            return
-        time.sleep(0.2)
-        routed = routed_replicas(folder, APP_NAME)
-
-
 def stop() -> None:
     """Take the application down if this process deployed it (its replicas drain what they hold), leave Ray
     (shutting it down when this process started it; a joined cluster keeps running), and remove what this server
@@ -316,9 +287,33 @@ def stop() -> None:
 
 def serve_supervised(cfg: ServerConfig) -> None:
     """``serve_forever`` in a child process under this one (``supervise``: whatever ends either, nothing of the run
-    outlives them; see serving/supervise.py). For a process of its own (the ``fusionserve serve`` command): in the
-    caller, this never returns."""
-    serve_forever(cfg, run_folder=supervise())
+    outlives them; see serving/supervise.py). Where it starts its own Ray, the child first execs itself afresh with the
+    loopback shim preloaded (serving/loopback.py), or says once why it cannot. For a process of its own (the
+    ``fusionserve serve`` command): in the caller, this never returns."""
+    folder = supervise()
+    if not os.environ.get("RAY_ADDRESS"):
+        shim = loopback.find_shim()
+        if shim.library is None:
+            print(f"fusionserve: {loopback.fallback_warning(str(shim.problem))}", file=sys.stderr, flush=True)
+        else:
+            ports = loopback.open_ports(cfg.host, (cfg.port, cfg.grpc_port), LOOPBACK)
+            handoff = {"artifact": str(cfg.artifact), "options": cfg.options(), "folder": str(folder), "shim": str(shim.library)}
+            try:
+                loopback.exec_preloaded(shim.library, ports, f"{__name__}:serve_handed_over", handoff)
+            except OSError as exc:  # the interpreter cannot be started again: serve from this process as it is
+                print(f"fusionserve: {loopback.fallback_warning(f'cannot exec {sys.executable}: {exc}')}", file=sys.stderr)
+    serve_forever(cfg, run_folder=folder)
+
+
+def serve_handed_over() -> None:
+    """The supervised server, exec'd by ``serve_supervised`` with the loopback shim preloaded: its options and run
+    folder from the handoff, then ``serve_forever``. Raises KeyError when started any other way."""
+    handoff = loopback.take_handoff()
+    resume_supervised()
+    shim = Path(handoff["shim"])
+    if not loopback.preloaded(shim):  # e.g. where the loader ignores LD_PRELOAD (secure execution)
+        print(f"fusionserve: {loopback.fallback_warning(f'{shim} was not preloaded')}", file=sys.stderr, flush=True)
+    serve_forever(ServerConfig(str(handoff["artifact"]), **handoff["options"]), run_folder=Path(str(handoff["folder"])))
 
 
 def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:

@@ -203,12 +203,18 @@ def supervise() -> Path:
         if os.getppid() != parent:  # the supervisor died before the line above
             os.kill(os.getpid(), signal.SIGTERM)
         record(folder, owners=[os.getpid()])
-        # registered before Ray's own exit hooks, so it runs after them: once Ray is shut down the server ends
-        # without C++'s static destructors, which raced Ray's native threads and spun forever in Ray's terminate
-        # handler (seen: a child stopped cleanly, then hung at 100% CPU until killed)
-        atexit.register(_exit_now)
+        resume_supervised()
         return folder
     os._exit(_wait(child, folder))
+
+
+def resume_supervised() -> None:
+    """In the server (the child): how it ends. Called by ``supervise``, and again by a server that exec'd itself
+    afresh since (serving/loopback.py), whose new interpreter has none of it. Registered before Ray's own exit hooks,
+    so it runs after them: once Ray is shut down the server ends without C++'s static destructors, which raced Ray's
+    native threads and spun forever in Ray's terminate handler (seen: a child stopped cleanly, then hung at 100% CPU
+    until killed)."""
+    atexit.register(_exit_now)
 
 
 def exit_with(code: int) -> None:

@@ -4,9 +4,10 @@ deadlines, metrics).
 
 Requests (both routes): ``{"inputs": ..., "raw_scores": bool, "truncate": bool, "truncation_direction": "left" |
 "right"}``, the options also accepted inside ``"parameters"`` (the Inference API's place for them) with its
-``top_k`` and ``function_to_apply`` ("softmax", "sigmoid", "none"). ``inputs`` as TEI reads them: a text; a pair,
-as a list of exactly two texts; or a list of texts and pairs (a batch). So ``["a", "b"]`` is one pair, as in TEI;
-send ``[["a", "b"]]`` or ``["a", "b", "c"]`` for batches. ``"truncate": false`` refuses an input over the token
+``top_k`` and ``function_to_apply`` ("softmax", "sigmoid", "none"). ``inputs`` as TEI's OpenAPI description
+(1.6.0, ``PredictInput``) has them: a text; a pair, as a list of exactly two texts; or a batch, a list whose items are
+``[text]`` or ``[text, text_pair]`` (a bare text is taken as an item too). So ``["a", "b"]`` is one pair, as in TEI;
+send ``[["a"], ["b"]]``, ``[["a", "b"]]`` or ``["a", "b", "c"]`` for batches. ``"truncate": false`` refuses an input over the token
 limit (413, as ``"strict": true``); left out, the input is cut, as on /v1/classify.
 
 Answers: each input's ``[{"label", "score"}, ...]`` sorted by score, highest first. ``POST /predict`` answers as TEI:
@@ -38,9 +39,11 @@ def _inputs(value: Any) -> tuple[list[Any], bool]:
     def one(item: Any, where: str) -> Any:
         if isinstance(item, str):
             return item
+        if isinstance(item, list) and len(item) == 1 and isinstance(item[0], str):
+            return item[0]  # TEI's batch item for one text
         if isinstance(item, list) and len(item) == 2 and all(isinstance(t, str) for t in item):
             return {"text": item[0], "text_pair": item[1]}
-        raise _bad(f"{where}: must be a text or a pair [text, text_pair], got {item!r:.60}")
+        raise _bad(f"{where}: must be a text, [text] or a pair [text, text_pair], got {item!r:.60}")
 
     if isinstance(value, str):
         return [value], False

@@ -3,6 +3,7 @@ it, and the processes it started (to check that stopping it leaves none)."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,6 +18,24 @@ from pathlib import Path
 import pytest
 
 from fusionserve.serving.ingress import free_port
+
+
+def mutations(good: bytes, count: int, most_edits: int, seed: int = 0) -> list[bytes]:
+    """``count`` copies of ``good``, each with 1 to ``most_edits`` random byte edits (a byte changed, inserted or
+    deleted): the fuzz corpora of the HTTP and gRPC hardening tests, the same for a seed on every run."""
+    rng, out = random.Random(seed), []
+    for _ in range(count):
+        b = bytearray(good)
+        for _ in range(rng.randint(1, most_edits)):
+            op, i = rng.random(), rng.randrange(len(b))
+            if op < 0.4:
+                b[i] = rng.randrange(256)
+            elif op < 0.7:
+                b.insert(i, rng.randrange(256))
+            else:
+                del b[i]
+        out.append(bytes(b))
+    return out
 
 
 def call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:

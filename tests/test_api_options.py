@@ -109,6 +109,9 @@ def test_probes_and_docs_are_open_and_metrics_closable():
         ([["a", "b"]], [{"text": "a", "text_pair": "b"}], True),
         (["a", "b", "c"], ["a", "b", "c"], True),
         (["a", ["b", "c"]], ["a", {"text": "b", "text_pair": "c"}], True),
+        # TEI's OpenAPI (1.6.0, PredictInput): a batch's items are lists, a single text as a list of one
+        ([["a"], ["b", "c"]], ["a", {"text": "b", "text_pair": "c"}], True),
+        ([["a"]], ["a"], True),
     ],
 )
 def test_tei_input_shapes(inputs, want, batch):
@@ -134,7 +137,8 @@ def test_tei_options_map_onto_the_classify_request():
     [
         (b'{"inputs": 3}', "inputs: must be a text, a pair"),
         (b'{"inputs": []}', "inputs: must be a text, a pair"),
-        (b'{"inputs": ["a", ["b"]]}', "inputs[1]: must be a text or a pair"),
+        (b'{"inputs": ["a", ["b", "c", "d"]]}', "inputs[1]: must be a text, [text] or a pair"),
+        (b'{"inputs": ["a", [1]]}', "inputs[1]: must be a text, [text] or a pair"),
         (b'{"inputs": "x", "nope": 1}', "unknown field(s) ['nope']"),
         (b'{"inputs": "x", "truncation_direction": "up"}', "truncation_direction"),
         (b'{"inputs": "x", "parameters": {"top_k": 0}}', "top_k: must be a whole number >= 1"),

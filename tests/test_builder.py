@@ -175,10 +175,10 @@ def test_proto_messages_map_to_the_json_request_and_answer():
         "predictions": [{"label": "y", "score": 0.75, "scores": {"n": 0.25, "y": 0.75}, "truncated": True}],
         "fusion_activations": {"adapters": ["p", "q"], "values": [[[0.1, 0.9], [0.2, 0.8], [0.3, 0.7]]]},
     }
-    out = response_message(answer, lambda task: ("n", "y"))
+    out = response_message(answer)
     assert list(out.labels) == ["n", "y"] and list(out.predictions[0].scores) == [0.25, 0.75] and out.predictions[0].truncated
     assert out.fusion_activations.layers == 3 and list(out.fusion_activations.values) == [0.1, 0.9, 0.2, 0.8, 0.3, 0.7]
-    several = response_message({"results": [answer, {**answer, "task": "u"}]}, lambda task: ("n", "y"))
+    several = response_message({"results": [answer, {**answer, "task": "u"}]})
     assert [r.task for r in several.results] == ["t", "u"] and not several.task and not several.predictions
     assert list(several.results[1].predictions[0].scores) == [0.25, 0.75]
     assert [grpc_code(s) for s in (404, 413, 422, 503, 500)] == [

@@ -4,6 +4,7 @@ operator can find what a client reports. Both places are checked: the classify c
 gRPC) and the HTTP app's exception handler for every other route."""
 
 import asyncio
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
+from fusionserve.serving.artifact import Artifact
 from fusionserve.serving.batching import BatchLimits, Scheduler
 from fusionserve.serving.classify import Classifier
 from fusionserve.serving.metrics import Metrics
@@ -76,3 +78,31 @@ def test_an_error_in_any_other_route_is_a_json_500_with_an_id_that_is_in_the_log
     assert response.status_code == 500 and response.media_type == "application/json"
     assert set(body) == {"error"} and body["error"]["type"] == "internal", body
     _the_id(body["error"]["message"], logged, "GET /v1/tasks")
+
+
+def test_a_grpc_answer_takes_its_labels_from_the_revision_that_computed_it(artifacts):
+    """A live artifact's task can be removed or replaced (other labels) between the answer and the reply: the gRPC
+    reply's labels are those the answer was computed with, not a lookup in whatever revision is served after it."""
+    from fusionserve.serving import fusionserve_pb2 as pb
+    from fusionserve.serving.grpc_ingress import classify_grpc
+
+    runner = OnnxRunner(artifacts.fp32, threads=1, device="cpu")
+    labels = runner.artifact.tasks["rte"].labels
+
+    class RevisionSwitchedAfterTheAnswer(Classifier):
+        after: Artifact | None = None
+
+        @property
+        def artifact(self) -> Artifact:
+            return self.after or super().artifact
+
+        async def __call__(self, *args, **kwargs):
+            outcome = await super().__call__(*args, **kwargs)
+            self.after = dataclasses.replace(runner.artifact, tasks={})  # the next revision removed every task
+            return outcome
+
+    core = RevisionSwitchedAfterTheAnswer(runner.encoder, Scheduler(runner, BatchLimits()), Limits(), Metrics())
+    request = pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="the cat sat")])
+    reply = asyncio.run(classify_grpc(core, request, None, {}))
+    assert core.after is not None and reply.task == "rte"
+    assert tuple(reply.labels) == labels and len(reply.predictions[0].scores) == len(labels)

@@ -4,6 +4,7 @@ server after the first one's run folder (with its wrapper) was removed. No Ray h
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 
@@ -31,3 +32,19 @@ def test_a_binary_the_user_named_is_kept(tmp_path, monkeypatch):
     own.chmod(0o755)
     monkeypatch.setenv(BINARY_ENV, str(own))
     assert real_haproxy() == str(own)
+
+
+def test_haproxy_own_pages_bind_loopback_and_the_serving_ports_stay_as_asked(tmp_path):
+    """Serve's template binds HAProxy's stats and Prometheus pages on every interface (`bind *:PORT`, `bind :PORT`);
+    the wrapper binds those two on 127.0.0.1 (an explicit address: HAProxy takes its listeners over on a reload by
+    their configured address, and one the loopback shim had moved did not match, which paused the HTTP frontend).
+    The serving ports keep what `--host` asked for, `*` included."""
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        "frontend prometheus\n    bind :28001\nfrontend http_frontend\n    bind *:8000\n"
+        "frontend grpc_frontend\n    bind *:9000 proto h2\nlisten stats\n  bind *:28002\n"
+    )
+    wrapper = write_wrapper(tmp_path / "fs-run", ["true"], 30.0, private_ports=(28001, 28002))
+    subprocess.run([str(wrapper), "-db", "-f", str(config)], check=True, timeout=30)
+    binds = [line.strip() for line in config.read_text().splitlines() if line.strip().startswith("bind ")]
+    assert binds == ["bind 127.0.0.1:28001", "bind *:8000", "bind *:9000 proto h2", "bind 127.0.0.1:28002"]

@@ -78,3 +78,33 @@ def test_head_file_with_another_heads_weights_loads_its_own(tmp_path):
     w, bias = head.linears[-1]
     torch.testing.assert_close(w, model.heads["x"][4].weight.detach())
     torch.testing.assert_close(bias, model.heads["x"][4].bias.detach())
+
+
+def test_fusion_file_with_another_fusions_weights_loads_its_own(tmp_path):
+    """AdapterHub's save_adapter_fusion("a,b") also writes the weights of every fusion whose name starts with "a,b"
+    (here "a,b,c"): the loader keeps the fusion the config names and leaves the others out."""
+    from adapters import BertAdapterModel, SeqBnConfig
+    from adapters.composition import Fuse
+
+    from fusionserve.export.checkpoint import load_fusion
+    from tests.adapterhub_models import write_base
+
+    write_base(tmp_path / "base")
+    model = BertAdapterModel.from_pretrained(str(tmp_path / "base"))
+    for name in ("a", "b", "c"):
+        model.add_adapter(name, config=SeqBnConfig(reduction_factor=4))
+    model.add_adapter_fusion(Fuse("a", "b"))
+    model.add_adapter_fusion(Fuse("a", "b", "c"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "adapter_fusion_layer" in name:
+                p.add_(torch.randn(p.shape) * 0.3)
+    model.save_adapter_fusion(str(tmp_path / "fusion"), "a,b", use_safetensors=True)
+    fusion = load_fusion(tmp_path / "fusion")
+    assert fusion.name == "a,b" and fusion.adapter_names == ("a", "b")
+    for site, got in fusion.sites.items():
+        want = model.bert.encoder.layer[site.layer].output.adapter_fusion_layer["a,b"]
+        torch.testing.assert_close(got.query_w, want.query.weight.detach())
+        torch.testing.assert_close(got.key_b, want.key.bias.detach())
+        torch.testing.assert_close(got.value_w, want.value.weight.detach())
+    assert len(fusion.sites) == 3

@@ -5,7 +5,6 @@ the token limit is cut before it is tokenized; HTTP takes JSON only, builds no r
 
 import gzip
 import json
-import random
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from fusionserve.serving import fusionserve_pb2 as pb
 from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.grpc_ingress import ERROR_TYPE_KEY
 from fusionserve.serving.options import CHARS_PER_TOKEN_BUDGET, MAX_ERROR_CHARS, MAX_TASK_NAME_CHARS
-from tests.serving_helpers import call, descendants, free_port, launch, stop
+from tests.serving_helpers import call, descendants, free_port, launch, mutations, stop
 
 pytestmark = pytest.mark.slow
 MAX_SEQ_LEN = 32
@@ -186,19 +185,7 @@ def test_fuzzed_grpc_messages_never_get_an_unknown_or_internal_status(server):
     good = pb.ClassifyRequest(
         task="rte", inputs=[pb.Input(text="a fine film"), pb.Input(text="a cat", text_pair="a dog")]
     ).SerializeToString()
-    rng = random.Random(0)
-    corpus = [b"", b"\x00", b"\x0a", b"\x12\xff\xff\xff\xff\x0f", good + b"\xff", good[:1]]
-    for _ in range(120):
-        b = bytearray(good)
-        for _ in range(rng.randint(1, 4)):
-            op, i = rng.random(), rng.randrange(len(b))
-            if op < 0.4:
-                b[i] = rng.randrange(256)
-            elif op < 0.7:
-                b.insert(i, rng.randrange(256))
-            else:
-                del b[i]
-        corpus.append(bytes(b))
+    corpus = [b"", b"\x00", b"\x0a", b"\x12\xff\xff\xff\xff\x0f", good + b"\xff", good[:1], *mutations(good, 120, 4)]
     seen = set()
     for raw in corpus:
         try:

@@ -207,7 +207,9 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(deployed):
     threads = _load(url, stop, 6, seen)
     try:
         up_s, _ = _wait_replicas(head.address, 2, 150)
-        time.sleep(3)  # the new replica takes its share of the load
+        shared = time.monotonic() + 60  # the new replica takes its share of the load (3 s was short on a loaded box)
+        while len(seen) < 2 and time.monotonic() < shared:
+            time.sleep(0.2)
     finally:
         stop.set()
         for t in threads:

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -210,6 +211,21 @@ def test_a_request_still_queued_at_its_deadline_gets_504_and_never_reaches_the_m
     assert after[("fusionserve_request_duration_seconds_count", (("status", "504"), ("task", "rte")))] >= 4
 
 
+def test_a_grpc_call_still_queued_at_its_own_deadline_is_dropped_as_past_its_deadline(server):
+    """The call's own deadline (the client's timeout; no timeout_ms) is the request's: dropped before the model and
+    counted as deadline_exceeded, not as a caller gone (what gRPC's cancellation at the deadline made of it)."""
+    before = _metrics(server.url)
+    _idle()
+    with pytest.raises(grpc.RpcError) as err:  # one input waits for its batch to fill (1 s): longer than its 0.5 s
+        server.stub.Classify(_message(["deadline"]), metadata=(*METADATA, ("authorization", f"Bearer {KEY}")), timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.5)  # past the batch wait: a row that had stayed queued would have run by now
+    after = _metrics(server.url)
+    assert _computed(after) == _computed(before)
+    assert _dropped(after, "deadline_exceeded") - _dropped(before, "deadline_exceeded") == 1
+    assert _dropped(after, "client_disconnected") == _dropped(before, "client_disconnected")
+
+
 def test_a_client_that_hangs_up_is_dropped_before_the_model_and_counted_apart(server):
     before = _metrics(server.url)
     _idle()
@@ -231,24 +247,67 @@ def test_a_client_that_hangs_up_is_dropped_before_the_model_and_counted_apart(se
     assert after.get(("fusionserve_request_duration_seconds_count", (("status", "499"), ("task", "rte")))) >= 1
 
 
+# TEI's /predict as its OpenAPI description (version 1.6.0, docs/openapi.json of text-embeddings-inference) defines
+# it, restated here: PredictRequest {inputs: PredictInput, raw_scores, truncate, truncation_direction Left|Right};
+# PredictInput: a text, a pair (exactly two texts) or a batch of [text] / [text, text_pair] items; PredictResponse:
+# a list of Prediction {label, score}, or a list of such lists.
+_TEXTS = {"type": "array", "items": {"type": "string"}}
+_PREDICTIONS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["label", "score"],
+        "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
+    },
+}
+TEI_PREDICT_REQUEST = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "inputs": {
+            "oneOf": [
+                {"type": "string"},
+                {**_TEXTS, "minItems": 2, "maxItems": 2},
+                {"type": "array", "items": {"oneOf": [{**_TEXTS, "minItems": n, "maxItems": n} for n in (1, 2)]}},
+            ]
+        },
+        "raw_scores": {"type": "boolean"},
+        "truncate": {"type": ["boolean", "null"]},
+        "truncation_direction": {"enum": ["Left", "Right"]},
+    },
+}
+TEI_PREDICT_RESPONSE = {"oneOf": [_PREDICTIONS, {"type": "array", "items": _PREDICTIONS}]}
+
+
+def _tei(server, body: dict) -> tuple[int, object]:
+    """POST /predict with a body TEI's description accepts; a 200's answer is checked against its PredictResponse."""
+    jsonschema.validate(body, TEI_PREDICT_REQUEST)
+    status, got, _ = _call(server.url + "/predict", body)
+    if status == 200:
+        jsonschema.validate(got, TEI_PREDICT_RESPONSE)
+    return status, got
+
+
 def test_tei_predict_answers_in_tei_shapes(server, local_labels):
     labels = local_labels["rte"]
     status, ref, _ = _call(
         server.url + "/v1/classify", {"task": "rte", "inputs": [SENTENCES[0], {"text": "a b", "text_pair": "c"}]}
     )
     assert status == 200
-    status, single, _ = _call(server.url + "/predict", {"inputs": SENTENCES[0]})
+    status, single = _tei(server, {"inputs": SENTENCES[0]})
     assert status == 200 and isinstance(single, list) and [set(p) for p in single] == [{"label", "score"}] * len(labels)
     assert sorted(p["label"] for p in single) == sorted(labels)
     assert [p["score"] for p in single] == sorted((p["score"] for p in single), reverse=True)
     assert {p["label"]: p["score"] for p in single} == ref["predictions"][0]["scores"]
-    status, pair, _ = _call(server.url + "/predict", {"inputs": ["a b", "c"]})  # two texts: one pair, as in TEI
+    status, pair = _tei(server, {"inputs": ["a b", "c"]})  # two texts: one pair, as in TEI
     assert status == 200 and {p["label"]: p["score"] for p in pair} == ref["predictions"][1]["scores"]
-    status, batch, _ = _call(server.url + "/predict", {"inputs": [SENTENCES[0], ["a b", "c"], SENTENCES[0]]})
+    status, batch = _tei(server, {"inputs": [[SENTENCES[0]], ["a b", "c"], [SENTENCES[0]]]})  # TEI's batch items
     assert status == 200 and len(batch) == 3 and batch[0] == single and batch[1] == pair
-    status, raw, _ = _call(server.url + "/predict", {"inputs": SENTENCES[0], "raw_scores": True, "truncation_direction": "Left"})
+    status, mixed, _ = _call(server.url + "/predict", {"inputs": [SENTENCES[0], ["a b", "c"]]})  # bare texts too
+    assert status == 200 and mixed == batch[:2]
+    status, raw = _tei(server, {"inputs": SENTENCES[0], "raw_scores": True, "truncation_direction": "Left"})
     assert status == 200 and sum(p["score"] for p in raw) != pytest.approx(1.0)
-    status, refused, _ = _call(server.url + "/predict", {"inputs": " ".join(SENTENCES), "truncate": False})
+    status, refused = _tei(server, {"inputs": " ".join(SENTENCES), "truncate": False})
     assert status == 413 and refused["error"]["type"] == "too_many_tokens"
 
 

@@ -157,8 +157,8 @@ def test_a_group_signal_while_serving_stops_everything_and_exits_0(artifact, tmp
 
 def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(artifact, tmp_path, marked):
     """--host 127.0.0.1 (the default) bound the replica's own gRPC server, HAProxy's gRPC target, on every interface
-    (Serve writes "[::]:PORT"); it is on loopback now, and gRPC through HAProxy still answers. (Ray's own servers,
-    GCS, raylet, agents, workers, still listen on every interface: see docs/guides/supervision.md.)"""
+    (Serve writes "[::]:PORT"); it is on loopback now (the loopback shim, serving/loopback.py), and gRPC through
+    HAProxy still answers. The whole process tree: tests/test_loopback.py."""
     import grpc
     import psutil
 

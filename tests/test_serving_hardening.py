@@ -4,7 +4,6 @@ port is refused before anything starts, and SIGTERM stops everything it started.
 
 import json
 import os
-import random
 import resource
 import signal
 import socket
@@ -27,6 +26,7 @@ from tests.serving_helpers import (
     free_port,
     haproxy_config,
     launch,
+    mutations,
     new_mark,
     stop,
 )
@@ -108,20 +108,7 @@ def _corpus() -> list[bytes]:
         b'{"task": "' + b"y" * 16_500 + b'", "inputs": ["a"]}', json.dumps({"tasks": ["n" * 100 + str(i) for i in range(300)], "inputs": ["a"]}).encode(),
         b'{"task": "rte", "inputs": ["' + b"word " * 180_000 + b'"]}', b'{"task": "rte", "strict": true, "inputs": ["' + b"w " * 400_000 + b'"]}',
     ]  # fmt: skip
-    rng = random.Random(0)
-    mutated = []
-    for _ in range(150):
-        b = bytearray(good)
-        for _ in range(rng.randint(1, 6)):
-            op, i = rng.random(), rng.randrange(len(b))
-            if op < 0.4:
-                b[i] = rng.randrange(256)
-            elif op < 0.7:
-                b.insert(i, rng.randrange(256))
-            else:
-                del b[i]
-        mutated.append(bytes(b))
-    return fixed + mutated
+    return fixed + mutations(good, 150, 6)
 
 
 def test_fuzzed_bodies_never_get_a_500_and_the_server_keeps_serving(server):
@@ -318,19 +305,23 @@ def _command_lines_naming(folder: Path) -> dict[int, str]:
     return found
 
 
-def test_haproxy_fits_the_open_file_limit_it_gets():
+def test_haproxy_fits_the_open_file_limit_it_gets(tmp_path):
     """HAProxy asks for ~10,300 descriptors for Serve's 4096 connections and, under a 1024 limit (a common default,
     and what `buildah run` gives), did not start at all ("Cannot raise FD limit"). The soft limit is raised to the
     hard one; when even that is short, HAProxy's connection limit is lowered to fit."""
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])));"
-        "from fusionserve.serving.ingress import ingress_env; env = ingress_env('haproxy');"
+        "from pathlib import Path; from fusionserve.serving.ingress import ingress_env;"
+        "env = ingress_env('haproxy', Path(sys.argv[3]));"
         "print(env.get('RAY_SERVE_HAPROXY_MAXCONN'), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
 
     def run(soft, hard):
         return subprocess.run(
-            [sys.executable, "-c", code, str(soft), str(hard)], capture_output=True, text=True, check=True
+            [sys.executable, "-c", code, str(soft), str(hard), str(tmp_path / f"{soft}-{hard}")],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split()
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -339,27 +330,46 @@ def test_haproxy_fits_the_open_file_limit_it_gets():
         assert run(1024, 10_500) == ["None", "10500"]  # raised to the hard limit: Serve's default stands
 
 
-def test_each_server_has_its_own_fallback_proxy_ports():
+def test_each_server_has_its_own_fallback_proxy_ports(tmp_path):
     """With HAProxy, Serve also starts a fallback proxy (HAProxy's backup server when no replica is up) on 8500 / 9500
     unless told otherwise, bound with port reuse: two servers on one machine both listened on 127.0.0.1:8500 (seen with
     ss), so one server's HAProxy could hand requests to the other server's model. Each server gets free ports of its own."""
     from fusionserve.serving.ingress import ingress_env, port_holder
 
-    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     for key in ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
         assert first[key] != second[key]
         assert port_holder("127.0.0.1", int(first[key])) is None
     assert "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT" not in ingress_env("proxy")  # Serve's proxy ingress has no fallback
 
 
-def test_each_server_has_its_own_replica_grpc_ports():
+def test_each_server_has_its_own_replica_grpc_ports(tmp_path):
     """Serve binds the replicas' gRPC ports with port reuse on (its option to turn it off is a string gRPC ignores):
     with Serve's one default range, the first replica of every server on a machine listened on *:40000 (seen with ss:
     three servers' replicas on one port), and gRPC calls through one server's HAProxy reached the others' models (a
     call got another server's size limit). Each server's replicas take their gRPC ports from a free range of its own."""
     from fusionserve.serving.ingress import ingress_env, port_holder
 
-    first, second = ingress_env("haproxy"), ingress_env("haproxy")
+    first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
     assert low != int(second["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) and low < high <= 65535
     assert port_holder("127.0.0.1", low) is None
+
+
+def test_free_port_never_hands_out_one_port_twice_in_a_process(tmp_path):
+    """Ports are drawn at random and stay free until their user binds them: two draws for one `ray start` once gave
+    two of its components the same port ("Ray component metrics_export is trying to use a port number 29665 that is
+    used by other components"), and a server's other ports may not fall in its replicas' gRPC range either."""
+    code = (
+        "import json, sys; from pathlib import Path; from fusionserve.serving.ingress import free_port, ingress_env;"
+        "env = ingress_env('haproxy', Path(sys.argv[1]));"
+        "print(json.dumps({'env': env, 'ports': [free_port() for _ in range(1500)]}))"
+    )  # a process of its own: 1500 ports handed out here would be 1500 fewer for the other tests of this one
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    )
+    env, ports = out["env"], out["ports"]
+    low, high = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
+    ours = [int(v) for k, v in env.items() if k.endswith("_PORT") and "DIRECT_INGRESS" not in k] + ports
+    assert len(set(ours)) == len(ours), sorted(p for p in set(ours) if ours.count(p) > 1)[:10]
+    assert not [p for p in ours if low <= p <= high]

@@ -189,7 +189,7 @@ def errors_page() -> str:
 
 # --- environment -----------------------------------------------------------------------------------------------
 
-_ENV_NAME = re.compile(r"[A-Z][A-Z0-9]*(_[A-Za-z0-9]+)+")
+_ENV_NAME = re.compile(r"[A-Z][A-Z0-9]*(_[A-Za-z0-9]+)*")  # one word too, read by name: CC
 _READERS = {"get", "getenv", "pop", "setdefault", "environ"}
 
 

@@ -1,0 +1,175 @@
+"""Loopback means loopback (serving/loopback.py, issue 29): `fusionserve serve --host 127.0.0.1` has no listening
+socket outside loopback anywhere in its process tree (the supervisor, the server with its Ray driver, Ray's GCS,
+raylet, agents and workers, Serve's replicas, HAProxy); with `--host 0.0.0.0` only the serving ports are on every
+interface. Before, 18 listeners of such a server were on every interface (or on the machine's address). The shim
+itself is checked first, without Ray."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionserve.serving import loopback
+from fusionserve.serving.server import ServerConfig
+from tests.serving_helpers import MARK_ENV, call, carrying, free_port, launch, new_mark
+
+HAS_COMPILER = any(shutil.which(c) for c in loopback.COMPILERS)
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler (cc, gcc, clang) to build the loopback shim")
+TEXT = {"task": "rte", "inputs": ["a fine film"]}
+
+# binds each socket the way a server does and prints what the kernel bound (getsockname: the shim does not lie)
+_BINDS = """
+import json, socket, sys
+open_port = int(sys.argv[1])
+def bound(family, address, kind=socket.SOCK_STREAM, v6only=None):
+    s = socket.socket(family, kind)
+    if v6only is not None:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+    s.bind(address)
+    keep.append(s)
+    return s.getsockname()[0]
+keep = []
+out = {"v4": bound(socket.AF_INET, ("0.0.0.0", 0)), "v6_dual": bound(socket.AF_INET6, ("::", 0), v6only=0),
+       "v6_only": bound(socket.AF_INET6, ("::", 0), v6only=1),
+       "udp": bound(socket.AF_INET, ("0.0.0.0", 0), socket.SOCK_DGRAM),
+       "open_port": bound(socket.AF_INET, ("0.0.0.0", open_port)), "explicit": bound(socket.AF_INET, ("127.0.0.1", 0))}
+taken = socket.socket()
+try:
+    taken.bind(("0.0.0.0", keep[0].getsockname()[1]))
+except OSError as exc:
+    out["errno_in_use"] = exc.errno
+print(json.dumps(out))
+"""
+
+
+@needs_compiler
+def test_the_shim_moves_wildcard_tcp_binds_to_loopback_and_nothing_else(tmp_path):
+    """A TCP bind to 0.0.0.0 lands on 127.0.0.1, to :: on ::ffff:127.0.0.1 (dual-stack: IPv4 clients still reach it)
+    or ::1 (IPv6 only); UDP, explicit addresses and an open port keep what they asked for; a failing bind keeps its
+    errno. Without the shim every one of them is on every interface."""
+    library = loopback.build_shim(tmp_path / "native")
+    assert loopback.build_shim(tmp_path / "native") == library  # built once, by the source's hash
+    port = free_port("0.0.0.0")
+    code = [sys.executable, "-c", _BINDS, str(port)]
+    plain = json.loads(subprocess.run(code, capture_output=True, text=True, check=True, timeout=60).stdout)
+    env = loopback.preload_env(library, [port])
+    shimmed = json.loads(subprocess.run(code, capture_output=True, text=True, check=True, timeout=60, env=env).stdout)
+    assert plain == {"v4": "0.0.0.0", "v6_dual": "::", "v6_only": "::", "udp": "0.0.0.0", "open_port": "0.0.0.0",
+                     "explicit": "127.0.0.1", "errno_in_use": 98}  # fmt: skip
+    assert shimmed == {"v4": "127.0.0.1", "v6_dual": "::ffff:127.0.0.1", "v6_only": "::1", "udp": "0.0.0.0",
+                       "open_port": "0.0.0.0", "explicit": "127.0.0.1", "errno_in_use": 98}  # fmt: skip
+
+
+def test_without_a_compiler_the_server_is_told_what_stays_open(tmp_path, monkeypatch):
+    """No C compiler and no prebuilt shim: no error, one warning that names what stays on every interface and the two
+    ways out; a prebuilt shim that is not there is named as such."""
+    monkeypatch.setenv("FUSIONSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("FUSIONSERVE_LOOPBACK_SHIM", raising=False)
+    shim = loopback.find_shim()
+    assert shim.library is None and shim.problem is not None and "no C compiler" in shim.problem
+    line = loopback.fallback_warning(shim.problem)
+    assert line.startswith("WARNING: no C compiler") and "\n" not in line
+    assert all(word in line for word in ("GCS, raylet", "every interface", "C compiler", "FUSIONSERVE_LOOPBACK_SHIM"))
+    monkeypatch.setenv("FUSIONSERVE_LOOPBACK_SHIM", str(tmp_path / "missing.so"))
+    assert loopback.find_shim() == loopback.Shim(None, f"FUSIONSERVE_LOOPBACK_SHIM={tmp_path / 'missing.so'}: no such file")
+
+
+def test_the_server_options_survive_the_exec_with_the_shim(tmp_path):
+    """The supervised server execs itself afresh with the shim preloaded and rebuilds its options from JSON."""
+    cfg = ServerConfig(tmp_path, host="0.0.0.0", port=8123, grpc_port=9123, max_batch_size=8, min_replicas=1, max_replicas=2)
+    again = ServerConfig(str(cfg.artifact), **json.loads(json.dumps(cfg.options())))
+    assert again == cfg and again.app == cfg.app
+    assert loopback.open_ports(cfg.host, (cfg.port, cfg.grpc_port), ("127.0.0.1",)) == [8123, 9123]
+    assert loopback.open_ports("127.0.0.1", (8123, None), ("127.0.0.1",)) == []
+
+
+# --- a real server ---------------------------------------------------------------------------------------------
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return address.is_loopback or (address.version == 6 and bool(address.ipv4_mapped and address.ipv4_mapped.is_loopback))
+
+
+def listeners(pid: int) -> list[tuple[str, str, int]]:
+    """Every listening TCP socket of ``pid`` and the processes below it: (process name, address, port)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name, conns = proc.name(), proc.net_connections(kind="inet")
+        except psutil.Error:  # ended meanwhile
+            continue
+        found += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def _outside_ip() -> str:
+    """An address of this machine that is not loopback (where another machine would reach it)."""
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    pytest.skip("this machine has no address outside loopback")
+
+
+@pytest.fixture
+def marked():
+    mark = new_mark()
+    yield dict(os.environ, **{MARK_ENV: mark})
+    for pid in carrying(mark):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _classify_grpc(port: int, host: str = "127.0.0.1") -> int:
+    import grpc
+
+    from fusionserve.serving import fusionserve_pb2 as pb
+    from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        answer = pb_grpc.ClassifierStub(channel).Classify(
+            pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="a fine film")]), timeout=60
+        )
+    return len(answer.predictions)
+
+
+@pytest.mark.slow
+@needs_compiler
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marked, host):
+    """With --host 127.0.0.1 (the default) nothing of the server's process tree listens outside loopback; with --host
+    0.0.0.0 only the HTTP and gRPC ports do, and they answer at the machine's own address. Both answer HTTP and gRPC."""
+    grpc_port = free_port("0.0.0.0")
+    served = launch(artifact, tmp_path / "serve.log", "--host", host, "--grpc-port", str(grpc_port), env=marked)
+    try:
+        assert call(served.url + "/v1/classify", TEXT)[0] == 200
+        assert _classify_grpc(grpc_port) == 1
+        found = listeners(served.proc.pid)
+        outside = sorted({(name, ip, port) for name, ip, port in found if not _is_loopback(ip)})
+        allowed = set() if host == "127.0.0.1" else {served.port, grpc_port}
+        assert {port for _, _, port in outside} == allowed, f"listening outside loopback: {outside}"
+        assert len(found) > 10  # Ray's processes were seen (psutil read the whole tree)
+        if allowed:
+            ip = _outside_ip()
+            assert call(f"http://{ip}:{served.port}/v1/classify", TEXT)[0] == 200
+            assert _classify_grpc(grpc_port, ip) == 1
+        assert "WARNING" not in Path(served.log).read_text()
+    finally:
+        served.proc.send_signal(signal.SIGTERM)
+        served.proc.wait(60)
