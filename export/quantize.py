@@ -1,24 +1,26 @@
-"""int8 for CPU: ONNX Runtime's dynamic quantization of the validated fp32 graph, and the gate the int8 graph must
-pass against it before it may become an artifact.
+"""int8 for CPU: dynamic quantization of the validated fp32 graph (ONNX Runtime's, and per-row GEMMs of its own in
+``rowwise.py``), and the gate (``int8_gate.py``) the int8 graph must pass against it before it may become an artifact.
 
-What is quantized: every MatMul with a constant weight — the backbone's attention output and first feed-forward GEMM,
+What is quantized: every MatMul with a constant weight — the backbone's attention output and both feed-forward GEMMs,
 the adapters' stacked down-projection and, in a graph whose fusion weights are constants (one task), the folded fusion
 matrices — and the fused Attention's QKV projection (QAttention). Weights are int8 with one scale per output column
-(per-channel), activations uint8 with one scale per tensor, computed at run time. Measured on the default model with
-every such node quantized (benchmarks/int8.py, RESULTS.md): over the export grid per-tensor scales kept 83.1% of the
-labels (the gate asks 85%) against 91.2% per-channel; 7-bit weights (reduce_range) 90.4%; leaving the adapter path
-in fp32 changed nothing in the 11-task graph (91.2%) and in the amazon_food-only graph 97.2% against 94.4% — the dev
-splits decide (RESULTS.md).
+(per-channel); activations uint8 computed at run time, with one scale and zero point per row (token) in the backbone's
+attention output and FFN GEMMs (``Int8Options.activations``, ``gemm_roles.ROW_ROLES``) and one per tensor in the rest.
+Measured on the default model with every such node quantized per tensor (benchmarks/int8.py, RESULTS.md): over the
+export grid per-tensor weight scales kept 83.1% of the labels (the gate asks 85%) against 91.2% per-channel; 7-bit
+weights (reduce_range) 90.4%; leaving the adapter path in fp32 changed nothing in the 11-task graph (91.2%). Per-row
+activations took the targets' test agreement from 97.33% / 97.75% to >= 99% (gemm_roles.py, RESULTS.md).
 What stays fp32: the embeddings (a table lookup), every LayerNormalization and Softmax (the fusion weights among them:
 dynamic quantization has no int8 form of either), the MatMuls whose weights a task index selects at run time (a
 multi-task graph's fusion matrices: only constant weights can be quantized ahead of time), the classification
-heads (Gemm on one token per row), and by default the FFN's output GEMM of every layer (``DEFAULT_FP32_ROLES``).
+heads (Gemm on one token per row), and the backbone GEMMs ``Int8Options.fp32_roles`` names (none by default).
 
 The gate cannot be parity to 1e-4: int8 moves every logit. It checks what a caller sees, against the fp32 graph
 the int8 one was made from (itself within 1e-4 of PyTorch), over the export's validation grid for every task and
-its batches mixing every task row by row (activation scales are per batch, so a row's answer depends on its batch):
-the share of rows whose label is unchanged, and the largest change of any label's probability. Every figure that
-breaks its threshold is collected, then one error lists them all and no artifact is written.
+its batches mixing every task row by row (QKV's and the adapters' activation scales are per batch, so a row's answer
+depends on its batch): the share of rows whose label is unchanged, and the largest change of any label's
+probability. Every figure that breaks its threshold is collected, then one error lists them all and no artifact is
+written.
 """
 
 from __future__ import annotations
