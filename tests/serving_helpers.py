@@ -1,6 +1,7 @@
 """Shared by the end-to-end serving tests: a real `fusionserve serve` on 127.0.0.1 in its own process, HTTP calls to
 it, and the processes it started (to check that stopping it leaves none)."""
 
+import ipaddress
 import json
 import os
 import random
@@ -163,3 +164,34 @@ def haproxy_config(pid: int) -> Path:
         if Path(argv[0]).name == "haproxy" and "-f" in argv:
             return Path(argv[argv.index("-f") + 1])
     raise AssertionError(f"no HAProxy below pid {pid}")
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4-mapped loopback address (::ffff:127.0.0.1)."""
+    address = ipaddress.ip_address(ip)
+    return address.is_loopback or (address.version == 6 and bool(address.ipv4_mapped and address.ipv4_mapped.is_loopback))
+
+
+def listeners(pid: int) -> list[tuple[str, str, int]]:
+    """Every listening TCP socket of ``pid`` and the processes below it: (process name, address, port)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name, conns = proc.name(), proc.net_connections(kind="inet")
+        except psutil.Error:  # ended meanwhile
+            continue
+        found += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def listeners_once_up(pid: int, ports: set[int], within_s: float = 30) -> list[tuple[str, str, int]]:
+    """``listeners(pid)`` once every one of ``ports`` is among them (or after ``within_s``): while HAProxy reloads,
+    its listeners pass from one process to the next, and a reading in between missed the serving port."""
+    found, until = listeners(pid), time.monotonic() + within_s
+    while not ports <= {port for _, _, port in found} and time.monotonic() < until:
+        time.sleep(0.5)
+        found = listeners(pid)
+    return found

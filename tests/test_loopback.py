@@ -20,7 +20,7 @@ import pytest
 
 from fusionserve.serving import loopback
 from fusionserve.serving.server import ServerConfig
-from tests.serving_helpers import MARK_ENV, call, carrying, free_port, launch, new_mark
+from tests.serving_helpers import MARK_ENV, call, carrying, free_port, is_loopback, launch, listeners_once_up, new_mark
 
 HAS_COMPILER = any(shutil.which(c) for c in loopback.COMPILERS)
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler (cc, gcc, clang) to build the loopback shim")
@@ -97,26 +97,6 @@ def test_the_server_options_survive_the_exec_with_the_shim(tmp_path):
 # --- a real server ---------------------------------------------------------------------------------------------
 
 
-def _is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip)
-    return address.is_loopback or (address.version == 6 and bool(address.ipv4_mapped and address.ipv4_mapped.is_loopback))
-
-
-def listeners(pid: int) -> list[tuple[str, str, int]]:
-    """Every listening TCP socket of ``pid`` and the processes below it: (process name, address, port)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    found = []
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            name, conns = proc.name(), proc.net_connections(kind="inet")
-        except psutil.Error:  # ended meanwhile
-            continue
-        found += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
-    return found
-
-
 def _outside_ip() -> str:
     """An address of this machine that is not loopback (where another machine would reach it)."""
     import psutil
@@ -160,8 +140,8 @@ def test_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marke
     try:
         assert call(served.url + "/v1/classify", TEXT)[0] == 200
         assert _classify_grpc(grpc_port) == 1
-        found = listeners(served.proc.pid)
-        outside = sorted({(name, ip, port) for name, ip, port in found if not _is_loopback(ip)})
+        found = listeners_once_up(served.proc.pid, {served.port, grpc_port})
+        outside = sorted({(name, ip, port) for name, ip, port in found if not is_loopback(ip)})
         allowed = set() if host == "127.0.0.1" else {served.port, grpc_port}
         assert {port for _, _, port in outside} == allowed, f"listening outside loopback: {outside}"
         assert len(found) > 10  # Ray's processes were seen (psutil read the whole tree)
