@@ -18,7 +18,8 @@
 #                    configuration the build sees (the local build mounts the host's, which has the CPU wheel)
 #   SPEC             a spec file inside the build context (default: the built-in model)
 #   PRECISION        fp32 | fp16 | int8 (default fp16 for gpu, int8 for cpu: every GEMM int8, >= 99% of fp32's labels on the
-#                    built-in model's targets, no calibration file needed; see docs/guides/int8.md)
+#                    built-in model's targets, no calibration file needed; for CPUs without VNNI/AMX build fp32: see
+#                    docs/guides/int8.md)
 #   MAX_SEQ_LEN      a token limit for the export; empty (default): the spec's max_seq_len (64 for the built-in
 #                    model, which is trained and evaluated at 64), else the tokenizer's limit
 #   PARITY_GRID      full (default: every task on the whole shape grid) | quick (see `fusionserve export --help`)

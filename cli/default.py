@@ -48,13 +48,27 @@ def artifact_dir(folder: Path = DEFAULT_MODEL, precision: str = "fp32") -> Path:
     return cache_root() / "artifacts" / f"default-{fingerprint(folder)[:12]}{suffix}"
 
 
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # /proc/cpuinfo flags of CPUs with non-saturating int8 dot products
+
+
 def serving_precision(device: str = "auto") -> str:
-    """The precision the default model is served in on ``device`` (auto | cpu | cuda): int8 on CPU (every GEMM int8
-    keeps >= 99% of fp32's labels on both targets' test splits, accuracy within 0.5 points: docs/guides/int8.md),
-    fp32 on CUDA. Raises DeviceError for an unknown or unusable device."""
+    """The precision the default model is served in on ``device`` (auto | cpu | cuda): int8 on a CPU with VNNI or AMX
+    (every GEMM int8 keeps >= 99% of fp32's labels on both targets' test splits, accuracy within 0.5 points:
+    docs/guides/int8.md), fp32 on CUDA and on a CPU without them (ONNX Runtime's uint8 x int8 kernel for AVX2 adds
+    pairs of products in 16 bits, which the per-row zero points can saturate). Raises DeviceError for an unknown or
+    unusable device."""
     from fusionserve.serving.runtime import resolve_device
 
-    return "int8" if resolve_device(device) == "cpu" else "fp32"
+    return "int8" if resolve_device(device) == "cpu" and cpu_has_vnni() else "fp32"
+
+
+def cpu_has_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU's flags (``cpuinfo``, Linux's) name VNNI or AMX int8; False where they cannot be read."""
+    try:
+        flags = set(cpuinfo.read_text(encoding="utf-8", errors="replace").split())
+    except OSError:
+        return False
+    return any(f in flags for f in VNNI_FLAGS)
 
 
 def _export(spec: Path, out: Path, progress: bool, precision: str = "fp32") -> None:

@@ -191,7 +191,15 @@ def test_missing_artifact_is_exported_once_then_reused(tmp_path, monkeypatch):
     int8 = default.ensure_artifact(model, precision="int8")
     assert int8 == default.artifact_dir(model, "int8") != first and int8.name.endswith("-int8")
     assert calls[1:] == [(model / SPEC_FILE, int8, "int8")] and default.ensure_artifact(model, precision="int8") == int8
+    # served on CPU: int8 where the CPU has VNNI / AMX int8, fp32 where ONNX Runtime's AVX2 kernel could saturate
+    vnni, avx2 = tmp_path / "vnni", tmp_path / "avx2"
+    vnni.write_text("flags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
+    avx2.write_text("flags\t\t: fpu sse avx2 fma\n")
+    assert default.cpu_has_vnni(vnni) and not default.cpu_has_vnni(avx2) and not default.cpu_has_vnni(tmp_path / "none")
+    monkeypatch.setattr(default, "cpu_has_vnni", lambda: True)
     assert default.serving_precision("cpu") == "int8"
+    monkeypatch.setattr(default, "cpu_has_vnni", lambda: False)
+    assert default.serving_precision("cpu") == "fp32"
 
 
 def test_export_without_torch_says_what_to_install(tmp_path, monkeypatch):
@@ -207,6 +215,7 @@ def test_export_without_torch_says_what_to_install(tmp_path, monkeypatch):
 def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeypatch):
     asked = []
     monkeypatch.setattr(default, "ensure_artifact", lambda **kw: asked.append(kw) or built_st.spec)
+    monkeypatch.setattr(default, "cpu_has_vnni", lambda: True)
     assert cli.main(["predict", "--task", "alpha_only", "--text", "the movie was great"]) == 0
     assert json.loads(capsys.readouterr().out)["label"] in ("neg", "pos")
 
