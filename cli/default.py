@@ -16,6 +16,7 @@ from pathlib import Path
 import fusionserve
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.artifact import is_artifact
+from fusionserve.serving.cpu_flags import cpu_has_vnni
 from fusionserve.settings import cache_root
 
 DEFAULT_MODEL = Path(fusionserve.__file__).resolve().parent / "default_model"
@@ -48,9 +49,6 @@ def artifact_dir(folder: Path = DEFAULT_MODEL, precision: str = "fp32") -> Path:
     return cache_root() / "artifacts" / f"default-{fingerprint(folder)[:12]}{suffix}"
 
 
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # /proc/cpuinfo flags of CPUs with non-saturating int8 dot products
-
-
 def serving_precision(device: str = "auto") -> str:
     """The precision the default model is served in on ``device`` (auto | cpu | cuda): int8 on a CPU with VNNI or AMX
     (every GEMM int8 keeps >= 99% of fp32's labels on both targets' test splits, accuracy within 0.5 points:
@@ -60,15 +58,6 @@ def serving_precision(device: str = "auto") -> str:
     from fusionserve.serving.runtime import resolve_device
 
     return "int8" if resolve_device(device) == "cpu" and cpu_has_vnni() else "fp32"
-
-
-def cpu_has_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the CPU's flags (``cpuinfo``, Linux's) name VNNI or AMX int8; False where they cannot be read."""
-    try:
-        flags = set(cpuinfo.read_text(encoding="utf-8", errors="replace").split())
-    except OSError:
-        return False
-    return any(f in flags for f in VNNI_FLAGS)
 
 
 def _export(spec: Path, out: Path, progress: bool, precision: str = "fp32") -> None:

@@ -9,6 +9,7 @@ keeps the padding out of every result. On CPU both are off unless asked for: the
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from fusionserve.errors import FusionServeError
 
 from . import revisions
 from .artifact import Artifact, TaskEntry, load_artifact
+from .cpu_flags import int8_risk
 from .predictions import TextInput
 from .runner import Output
 from .tables import TaskTables, is_table, table_specs
@@ -196,6 +198,9 @@ class OnnxRunner:
         self._task_id_shape = next((tuple(i.shape) for i in self.session.get_inputs() if i.name == "task_id"), ())
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.device = "cuda" if self.provider == CUDA else "cpu"  # where the session runs
+        risk = int8_risk(first.manifest, self.device)
+        if risk:
+            logging.getLogger("fusionserve").warning("fusionserve: %s: %s", first.folder, risk)
         on_cuda = self.device == "cuda"
         self.io_binding = on_cuda if io_binding is None else bool(io_binding)
         buckets = (CUDA_BUCKET if on_cuda else 0) if seq_buckets is None else seq_buckets

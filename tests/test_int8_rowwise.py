@@ -118,7 +118,7 @@ def test_quantize_rows_refuses_what_it_cannot_rewrite():
         quantize_rows(oh.make_model(graph), ["missing"])
 
 
-def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, artifacts, tmp_path, capsys):
+def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, artifacts, tmp_path, capsys, monkeypatch, caplog):
     art = tmp_path / "int8"
     argv = ["export", built_st.spec, "--out", art, "--precision", "int8", "--max-seq-len", MAX_SEQ_LEN]
     code, _, err = _cli(capsys, *argv, "--int8-fp32", "none", "--int8-activations", "row")
@@ -143,3 +143,27 @@ def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, art
         and f"activations: uint8, asymmetric, one scale and zero point per row (token) computed at run time in {len(ROW_ROLES) * LAYERS} backbone GEMMs"
         in out
     )
+    _warned_on_a_cpu_without_vnni(art, artifacts, tmp_path, monkeypatch, caplog)
+
+
+def _warned_on_a_cpu_without_vnni(art, artifacts, tmp_path, monkeypatch, caplog) -> None:
+    """ONNX Runtime's uint8 x int8 kernels for AVX2 sum pairs of products in 16 bits: the per-row graph, checked on a
+    VNNI CPU at export, may answer otherwise there. A server that loads it on such a CPU says so, once, naming it."""
+    from fusionserve.serving import cpu_flags
+    from fusionserve.serving.runtime import OnnxRunner
+
+    avx2, vnni = tmp_path / "avx2", tmp_path / "vnni"
+    avx2.write_text("flags\t\t: fpu sse avx2 fma\n")
+    vnni.write_text("flags\t\t: fpu sse avx2 avx512f avx512_vnni\n")
+    manifest = load_artifact(art).manifest
+    warning = cpu_flags.int8_risk(manifest, "cpu", avx2)
+    assert warning and "saturate" in warning and "--int8-activations tensor" in warning
+    assert cpu_flags.int8_risk(manifest, "cpu", vnni) is None and cpu_flags.int8_risk(manifest, "cuda", avx2) is None
+    assert cpu_flags.int8_risk(load_artifact(artifacts.fp32).manifest, "cpu", avx2) is None
+    for flags, warned in ((avx2, True), (vnni, False)):
+        monkeypatch.setattr(cpu_flags, "CPUINFO", flags)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fusionserve"):
+            OnnxRunner(art, threads=1, device="cpu")
+        said = [r.getMessage() for r in caplog.records if r.name == "fusionserve"]
+        assert said == ([f"fusionserve: {art}: {warning}"] if warned else []), said
