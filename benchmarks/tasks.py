@@ -107,10 +107,11 @@ def _bulk(art: Path, targets: Path, ks: range) -> float:
 
 
 def _adds(art: Path, targets: Path, n: int, in_process: int) -> dict[str, Any]:
-    from fusionserve.export.tasks import NewTask, add_task
+    from fusionserve.export.spec import TaskSpec
+    from fusionserve.export.tasks import add_task
 
-    def task(k: int) -> NewTask:
-        return NewTask(f"target{k}", targets / "heads" / f"target{k}", targets / "fusions" / f"target{k}")
+    def task(k: int) -> TaskSpec:
+        return TaskSpec(f"target{k}", targets / "heads" / f"target{k}", targets / "fusions" / f"target{k}")
 
     first_s, first_out = _cli("tasks", "add", art, "target0", "--fusion", task(0).fusion, "--head", task(0).head)
     print(f"CLI add at T=11: {first_s:.1f} s: {first_out}", flush=True)

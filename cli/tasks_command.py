@@ -56,9 +56,10 @@ def _checked(doc: dict[str, Any]) -> str:
 
 
 def run_add(args: argparse.Namespace) -> int:
-    from fusionserve.export.tasks import NewTask, add_task
+    from fusionserve.export.spec import TaskSpec
+    from fusionserve.export.tasks import add_task
 
-    doc = add_task(args.artifact, NewTask(args.name, args.head, args.fusion, args.adapter), args.replace, args.spec)
+    doc = add_task(args.artifact, TaskSpec(args.name, args.head, args.fusion, args.adapter), args.replace, args.spec)
     change = doc["change"]
     print(
         f"{args.artifact}: revision {doc['revision']} published: {change['op']} task '{args.name}' "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +44,6 @@ MIXED_ROWS = 16  # rows of the batches that mix the new task with others, and of
 
 class TasksError(FusionServeError):
     """A ``tasks`` command refused: the artifact is not live, the name is taken or unknown, a check failed."""
-
-
-@dataclass(frozen=True)
-class NewTask:
-    """A task to add or replace: a head, over a fusion, one adapter, or the frozen backbone alone."""
-
-    name: str
-    head: Path
-    fusion: Path | None = None
-    adapter: str | None = None
 
 
 def _live(folder: Path) -> Artifact:
@@ -98,9 +88,10 @@ def _spec(art: Artifact, spec_path: str | Path | None) -> ModelSpec:
     return spec
 
 
-def _reference(art: Artifact, spec: ModelSpec, task: NewTask) -> FusionModel:
-    """The task alone, folded over the artifact's stacks: its tables and its PyTorch reference. Raises SpecError /
-    CheckpointError / TasksError for checkpoints that do not fit the artifact."""
+def _reference(art: Artifact, spec: ModelSpec, task: TaskSpec, src: TaskSpec) -> FusionModel:
+    """The task alone, folded over the artifact's stacks: its tables and its PyTorch reference, built from ``src``
+    (``task`` with absolute paths; messages name the paths as given). Raises SpecError / CheckpointError / TasksError
+    for checkpoints that do not fit the artifact."""
     if task.fusion is not None:
         missing = [a for a in load_fusion(task.fusion).adapter_names if a not in art.adapters]
         if missing:
@@ -110,8 +101,7 @@ def _reference(art: Artifact, spec: ModelSpec, task: NewTask) -> FusionModel:
             )
     if task.adapter is not None and task.adapter not in art.adapters:
         raise TasksError(f"--adapter {task.adapter!r}: the artifact lacks it (it holds: {', '.join(art.adapters)})")
-    one = TaskSpec(task.name, task.head.resolve(), task.fusion.resolve() if task.fusion else None, task.adapter)
-    model = build_model(replace(spec, tasks={task.name: one}), stacks=(art.adapters, art.manifest["adapters_per_layer"]))
+    model = build_model(replace(spec, tasks={task.name: src}), stacks=(art.adapters, art.manifest["adapters_per_layer"]))
     live = art.manifest["live"]
     want, form = HeadForm(**live["head_form"]), model.head_form()
     if form != want:
@@ -233,7 +223,7 @@ def _publish(
 
 
 def add_task(
-    folder: str | Path, task: NewTask, replace_existing: bool = False, spec_path: str | Path | None = None
+    folder: str | Path, task: TaskSpec, replace_existing: bool = False, spec_path: str | Path | None = None
 ) -> dict[str, Any]:
     """Add ``task`` to a live artifact (or, with ``replace_existing``, swap the weights of the task of that name), as a
     new published revision; returns its document. Raises TasksError, SpecError, CheckpointError, ArtifactError,
@@ -248,7 +238,8 @@ def add_task(
         if replace_existing and not taken:
             raise TasksError(f"--replace: no task '{task.name}' to replace; tasks: {', '.join(art.tasks)}")
         spec = _spec(art, spec_path)
-        model = _reference(art, spec, task)
+        src = replace(task, head=task.head.resolve(), fusion=task.fusion.resolve() if task.fusion else None)
+        model = _reference(art, spec, task, src)
         session = make_session(art.model_path, spin=False, device="cpu")  # no busy-waiting beside torch
         specs = table_specs(session)
         slices = graph_tables(model, specs, art.manifest["live"]["logits_width"])[0]
@@ -264,7 +255,6 @@ def add_task(
         moved = {n: (art.tasks[n].index, art.tasks[n].index) for n in order if n != task.name}
         others = _check_others(session, art, old, new, moved)
         file, digest = write_task_file(folder, task.name, slices)
-        src = TaskSpec(task.name, task.head.resolve(), task.fusion.resolve() if task.fusion else None, task.adapter)
         record = task_record(model, task.name, index, file, digest, source_of(replace(spec, tasks={task.name: src}), task.name))
         tasks = {**_entries(folder, art), task.name: record}
         change = {"op": "replace" if taken else "add", "task": task.name, "seconds": round(time.perf_counter() - started, 2)}

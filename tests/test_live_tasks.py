@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from fusionserve.cli.main import main
 from fusionserve.export.artifact import export_artifact
-from fusionserve.export.tasks import NewTask, add_task
+from fusionserve.export.spec import TaskSpec
+from fusionserve.export.tasks import add_task
 from fusionserve.serving import revisions
 from fusionserve.serving.artifact import ArtifactError, load_artifact
 from fusionserve.serving.runtime import OnnxRunner
@@ -183,7 +184,7 @@ def test_a_crash_between_writing_and_publishing_leaves_the_old_revision_served_a
     assert runner.artifact.revision == 0 and not runner.refresh()
     assert np.array_equal(answers(art, "custom"), before)
     # the next command numbers past the unpublished revision, and publishes
-    doc = add_task(art, NewTask("flat", live.root / "heads/flat", live.root / "fusions/flat"))
+    doc = add_task(art, TaskSpec("flat", live.root / "heads/flat", live.root / "fusions/flat"))
     assert doc["revision"] == 2 and doc["parent"] == 0 and revisions.current(art) == 2
     assert runner.refresh() and runner.artifact.revision == 2 and "flat" in runner.artifact.tasks
 
