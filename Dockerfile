@@ -35,11 +35,11 @@ FROM ${BASE_IMAGE} AS python
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
 
-# --- the loopback shim (serving/loopback.py): built here, where a C compiler is; only the library reaches the image,
+# --- the loopback shim (serving/process/loopback.py): built here, where a C compiler is; only the library reaches the image,
 # which then keeps Ray's own ports on loopback without one (FUSIONSERVE_LOOPBACK_SHIM below)
 FROM python AS shim
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
-COPY serving/loopback_bind.c /src/
+COPY serving/process/loopback_bind.c /src/
 RUN gcc -shared -fPIC -O2 -o /src/loopback_bind.so /src/loopback_bind.c -ldl
 
 # --- export: spec -> validated artifact (torch CPU wheel, transformers, the base weights) -------------------

@@ -76,7 +76,7 @@ REFERENCE = "level all"
 
 
 def _runner(path: Path, feeds: dict[str, np.ndarray], level: str, threads: int, spin: bool) -> Callable[[], object]:
-    from fusionserve.serving.runtime import make_session
+    from fusionserve.serving.model.runtime import make_session
 
     session = make_session(path / "model.onnx", threads=threads, spin=spin, device="cpu", optimization=_level(level))
     feeds = {i.name: feeds[i.name] for i in session.get_inputs()}
@@ -101,8 +101,8 @@ def pruned_artifacts(work: Path) -> dict[str, Path]:
     from fusionserve.export.prune import PruneRule, prune_artifact
     from fusionserve.scoring.calibrate import calibrate
     from fusionserve.scoring.inputs import read_labelled_jsonl
-    from fusionserve.serving.activations import stats_document
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.activations import stats_document
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     spec, default = DEFAULT_MODEL / SPEC_FILE, work / "default"
     if not (default / "fp32" / "manifest.json").is_file():
@@ -125,8 +125,8 @@ def pruned_artifacts(work: Path) -> dict[str, Path]:
 def pruned_accuracy(pruned: dict[str, Path], work: Path) -> dict[str, Any]:
     """fp32 pruned against int8 pruned on amazon_food's whole test split (benchmarks.int8.compare)."""
     from benchmarks.int8 import _logits, _split, compare
-    from fusionserve.serving.artifact import load_artifact
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.artifact import load_artifact
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     rows = _split(TARGET, "test", work / "default", None)
     runners = {p: OnnxRunner(f, THREADS, device="cpu") for p, f in pruned.items()}

@@ -46,7 +46,7 @@ def require_cuda() -> str:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from fusionserve.serving.runtime import CPU, CUDA, GPU_INSTALL
+    from fusionserve.serving.model.runtime import CPU, CUDA, GPU_INSTALL
 
     if CUDA not in ort.get_available_providers():
         raise SystemExit(
@@ -92,7 +92,7 @@ def _artifact(spec: Path, out: Path, precision: str, seq: int) -> Path:
 
 
 def _encoded(batch: int, seq: int, vocab: int, seed: int = 0):
-    from fusionserve.serving.tokenize import Encoded
+    from fusionserve.serving.model.tokenize import Encoded
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(1000, vocab, size=(batch, seq), dtype=np.int64)
@@ -105,7 +105,7 @@ def run(workdir: Path, batches: list[int], seq: int, rounds_scale: float) -> dic
     from benchmarks.latency import summary_ms
     from benchmarks.models import bert_base_folder, build
     from fusionserve.scoring.timing import time_round_robin
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     base = bert_base_folder(workdir)
     work = workdir / "bert-base"

@@ -25,9 +25,9 @@ import grpc
 
 from benchmarks import servers
 from benchmarks.httpload import Tally, closed_loop
-from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
-from fusionserve.serving.ingress import free_port
+from fusionserve.serving.api import fusionserve_pb2 as pb
+from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
+from fusionserve.serving.process.ingress import free_port
 
 METADATA = (("application", "fusionserve"),)
 
@@ -134,7 +134,7 @@ def _haproxy_cpu_s(pid: int) -> tuple[frozenset[int], float]:
 def by_hop(artifact: Path, task: str | None, rounds: int, seconds: float) -> dict[str, dict[str, list[float]]]:
     """Per route (HTTP or gRPC, through HAProxy or at the replica's own port), each round's 1-client p50 (ms) and
     the CPU milliseconds per request of the client (this process), the replica and HAProxy."""
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model.artifact import load_artifact
 
     task = task or next(iter(load_artifact(artifact).tasks))
     texts = ["the plot is thin but the actors carry it well enough to keep you watching"]

@@ -62,7 +62,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     """name -> how it is made: exported ('tasks'), or quantized from the fp32 artifact 'of' with 'int8' options."""
     from dataclasses import replace
 
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
+    from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
 
     # every measured variant departs from "everything quantized" (the default until the FFN-output comparison), as it
     # was measured then: per-tensor activation scales, no smoothing (issue 28's per-row default: benchmarks/int8_smooth.py)
@@ -138,7 +138,7 @@ def _split(dataset: str, split: str, work: Path, limit: int | None) -> list[dict
 
 def _logits(runner: Any, task: str, rows: list[dict[str, Any]], batch: int = 32) -> np.ndarray:
     """(rows, labels) logits in input order; batches of similar length, as ``fusionserve score`` runs them."""
-    from fusionserve.serving.predictions import TextInput
+    from fusionserve.serving.model.predictions import TextInput
 
     enc = runner.encoder.encode([TextInput(r["text"], r.get("text_pair")) for r in rows])
     order = np.argsort(enc.attention_mask.sum(1), kind="stable")
@@ -203,7 +203,7 @@ def evaluate_split(
 
 
 def _sizes(folder: Path) -> dict[str, Any]:
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model.artifact import load_artifact
 
     manifest = load_artifact(folder).manifest
     sizes: dict[str, Any] = {"model_mb": round((folder / "model.onnx").stat().st_size / 2**20, 1)}
@@ -215,8 +215,8 @@ def _sizes(folder: Path) -> dict[str, Any]:
 
 
 def run(spec: Path, work: Path, dev_limit: int, test_limit: int | None, reuse: bool) -> dict[str, Any]:
-    from fusionserve.serving.artifact import load_artifact
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.artifact import load_artifact
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     work.mkdir(parents=True, exist_ok=True)
     folders = artifacts(spec, work, reuse)

@@ -89,7 +89,7 @@ def _probabilities(logits: np.ndarray) -> np.ndarray:
 
 def run_arrangements(runner: Any, rows: list[tuple[str, dict[str, Any]]], size: int) -> dict[str, list[np.ndarray]]:
     """Arrangement -> per row (input order), its probabilities over its task's labels."""
-    from fusionserve.serving.predictions import TextInput
+    from fusionserve.serving.model.predictions import TextInput
 
     tasks = [task for task, _ in rows]
     enc = runner.encoder.encode([TextInput(r["text"], r.get("text_pair")) for _, r in rows])
@@ -120,7 +120,7 @@ def against(reference: list[np.ndarray], other: list[np.ndarray]) -> dict[str, A
 
 
 def run(work: Path, per_task: int, size: int) -> dict[str, Any]:
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     folders = artifacts(work)
     runners = {p: OnnxRunner(f, THREADS, device="cpu") for p, f in folders.items()}

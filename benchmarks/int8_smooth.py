@@ -14,7 +14,7 @@ with the gate off (thresholds 0 and 1) so that the figures show; its gate figure
   weights; no int8 Attention in ONNX Runtime's QDQ, so QKV stays fp32 and unsmoothed), without and with smoothing
 - ``int8 before per-row (no calibration file)``: the default between, without ``--calibration``
 - ``every GEMM, per-row``: one activation scale and zero point per row (token) in the backbone's attention output
-  and FFN GEMMs (export/rowwise.py), QKV per tensor; ``..., smoothed a=X (QKV)``: with QKV smoothed (one per --alphas)
+  and FFN GEMMs (export/int8/rowwise.py), QKV per tensor; ``..., smoothed a=X (QKV)``: with QKV smoothed (one per --alphas)
 - ``shipped int8 (no calibration file)``: ``DEFAULT_OPTIONS`` as `export --precision int8` runs them without
   ``--calibration``: smoothing scales from the validation grid's random token ids
 
@@ -54,7 +54,7 @@ DEV_ONLY = ("static QDQ", "static QDQ, smoothed a=0.5 (FFN in)")
 
 
 def variants(alphas: list[float], calibration: str) -> dict[str, Any]:
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
+    from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
 
     off = Int8Gate(0.0, 1.0)
     # before per-row activations (issue 28's first part): one activation scale per tensor everywhere
@@ -73,7 +73,7 @@ def variants(alphas: list[float], calibration: str) -> dict[str, Any]:
         "int8 before per-row (no calibration file)": replace(
             every, fp32_roles=("ffn_out",), smooth_alpha=0.5, smooth_roles=both, calibration=None
         ),
-        # per-row activation scales in the backbone's attention output and FFN GEMMs (export/rowwise.py)
+        # per-row activation scales in the backbone's attention output and FFN GEMMs (export/int8/rowwise.py)
         "every GEMM, per-row": replace(every, activations="row"),
     }
     out |= {
@@ -99,8 +99,8 @@ def run(work: Path, alphas: list[float], only: list[str] | None = None) -> dict[
     from benchmarks.models import int8_copy
     from fusionserve.cli.default import DEFAULT_MODEL, SPEC_FILE
     from fusionserve.export.artifact import export_artifact
-    from fusionserve.serving.artifact import load_artifact
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.artifact import load_artifact
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     spec, fp32 = DEFAULT_MODEL / SPEC_FILE, work / "fp32"
     work.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
 - ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (``DEFAULT_OPTIONS``: every GEMM int8,
   weights one scale per output column, one activation scale per row in the backbone's attention output and FFN
-  GEMMs (export/rowwise.py), QKV smoothed)
+  GEMMs (export/int8/rowwise.py), QKV smoothed)
 - ``fusion N=8 int8 per-tensor, FFN output fp32 (ORT)``: the default before issue 28's per-row activations (one
   activation scale per tensor, the FFN output GEMMs in fp32, QKV and FFN-in smoothed at alpha 0.5)
 - ``fusion N=8 int8 every GEMM per-tensor (ORT)``: every GEMM int8 with ONNX Runtime's per-tensor activation scales,
@@ -86,7 +86,7 @@ def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path
     weights are random; timings do not depend on the scales)."""
     from dataclasses import replace
 
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
+    from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, Int8Gate, Int8Options
 
     off = Int8Gate(0.0, 1.0)
     options = {
@@ -100,7 +100,7 @@ def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path
 
 
 def _ort(path: Path, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
-    from fusionserve.serving.runtime import make_session
+    from fusionserve.serving.model.runtime import make_session
 
     session = make_session(path / "model.onnx", threads=THREADS, device="cpu")
     feeds = {i.name: feeds[i.name] for i in session.get_inputs()}

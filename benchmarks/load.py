@@ -36,7 +36,7 @@ from benchmarks import grpcload, servers
 from benchmarks.httpload import burst, closed_loop
 from benchmarks.load_report import markdown, plot
 from benchmarks.report import machine, record
-from fusionserve.serving.ingress import free_port
+from fusionserve.serving.process.ingress import free_port
 
 HERE = Path(__file__).parent
 FALLBACK_TEXTS = [
@@ -66,8 +66,8 @@ def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[in
     ``spin``: idle ONNX Runtime threads busy-wait for the next run (the fastest a lone process gets); the server
     runs its session without spinning (its HTTP side needs the cores between runs), so ``spin=False`` is the model
     as served."""
-    from fusionserve.serving.predictions import TextInput
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.predictions import TextInput
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     runner = OnnxRunner(artifact, device="cpu", spin=spin)
     out = {}
@@ -90,8 +90,8 @@ def server_cost(port: int, artifact: Path, task: str, texts: list[str], rounds: 
     """``rounds`` x (the model in this process as the server runs it, batch 1 without spinning threads; then one HTTP
     client against the idle server, the same texts; ``seconds`` each, the order alternating per round): the median over
     rounds of HTTP p50 - in-process p50 is what the server itself adds to one request."""
-    from fusionserve.serving.predictions import TextInput
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.predictions import TextInput
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     runner = OnnxRunner(artifact, device="cpu", spin=False)
     body = servers.body_maker(task, texts)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         write_md = not args.no_record
         record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), write_md)
         return 0
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model.artifact import load_artifact
 
     if args.artifact is None:
         from fusionserve.cli.default import ensure_artifact

@@ -39,8 +39,8 @@ from benchmarks.httpload import closed_loop
 from benchmarks.report import machine, write_section
 
 if TYPE_CHECKING:
-    from fusionserve.serving.runtime import OnnxRunner
-    from fusionserve.serving.tokenize import Encoded
+    from fusionserve.serving.model.runtime import OnnxRunner
+    from fusionserve.serving.model.tokenize import Encoded
 
 HERE = Path(__file__).parent
 TASKS = 4
@@ -58,8 +58,8 @@ def default_artifact() -> Path:
 
 
 def in_process(artifact: Path, tasks: list[str], batch: int, seq: int, rounds: int, threads: int | None) -> dict:
-    from fusionserve.serving.runtime import OnnxRunner
-    from fusionserve.serving.tokenize import Encoded
+    from fusionserve.serving.model.runtime import OnnxRunner
+    from fusionserve.serving.model.tokenize import Encoded
 
     runner = OnnxRunner(artifact, threads=threads, device="cpu")
     rng = np.random.default_rng(0)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.http_rounds < 0 or args.rounds < 1:
         p.error("--http-rounds must be >= 0 and --rounds >= 1")
     from benchmarks.load import load_texts
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model.artifact import load_artifact
 
     artifact = args.artifact or default_artifact()
     loaded = load_artifact(artifact)

@@ -128,11 +128,11 @@ def int8_copy(fp32: Path, out: Path, spec: Path, options: object | None = None) 
     from dataclasses import asdict
 
     from fusionserve.export.build import build_model
-    from fusionserve.export.quantize import DEFAULT_OPTIONS, int8_graph
+    from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, int8_graph
     from fusionserve.export.spec import load_spec
-    from fusionserve.serving.artifact import load_artifact, write_manifest
-    from fusionserve.serving.runtime import make_session
-    from fusionserve.serving.tokenize import Encoder
+    from fusionserve.serving.model.artifact import load_artifact, write_manifest
+    from fusionserve.serving.model.runtime import make_session
+    from fusionserve.serving.model.tokenize import Encoder
 
     options = options or DEFAULT_OPTIONS
     if (out / "manifest.json").is_file():

@@ -9,7 +9,7 @@ and encoding steps are timed).
     python -m benchmarks.protocol_cost ART [--task T] [--inputs 1 8] [--calls 2000] [--rounds 30] [--profile]
     python -m benchmarks.protocol_cost --key-check [--calls 20000] [--rounds 30]
 
-``--key-check`` times the API key check every request pays when the server has a key (serving/auth.py): the
+``--key-check`` times the API key check every request pays when the server has a key (serving/api/auth.py): the
 ``authorization`` header found among a browser-sized header list, hashed and compared with every accepted key, for a
 right key, a wrong key of the same length and of another length, no header, and 1 or 3 accepted keys (rotation).
 
@@ -33,15 +33,15 @@ from types import SimpleNamespace
 import numpy as np
 import orjson
 
-from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving.artifact import Artifact, load_artifact
-from fusionserve.serving.auth import KeyCheck, header
-from fusionserve.serving.batching import JobResult, TaskResult
-from fusionserve.serving.classify import Classifier, parse_json
-from fusionserve.serving.grpc_ingress import classify_grpc
-from fusionserve.serving.metrics import Metrics
-from fusionserve.serving.runtime import Served
-from fusionserve.serving.schemas import ClassifyRequest, HTTPError, Limits
+from fusionserve.serving.api import fusionserve_pb2 as pb
+from fusionserve.serving.api.auth import KeyCheck, header
+from fusionserve.serving.api.classify import Classifier, parse_json
+from fusionserve.serving.api.grpc_ingress import classify_grpc
+from fusionserve.serving.api.metrics import Metrics
+from fusionserve.serving.api.schemas import ClassifyRequest, HTTPError, Limits
+from fusionserve.serving.model.artifact import Artifact, load_artifact
+from fusionserve.serving.model.runtime import Served
+from fusionserve.serving.scheduler.batching import JobResult, TaskResult
 
 TEXT = "the plot is thin but the actors carry it well enough to keep you watching"
 

@@ -81,9 +81,9 @@ def run_target(
     from fusionserve.scoring.evaluate import evaluate
     from fusionserve.scoring.inputs import read_labelled_jsonl
     from fusionserve.scoring.timing import latency_samples, paired_ratio
-    from fusionserve.serving.activations import stats_document
-    from fusionserve.serving.artifact import load_artifact
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.activations import stats_document
+    from fusionserve.serving.model.artifact import load_artifact
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     work.mkdir(parents=True, exist_ok=True)
     data = _data(target, work, test_limit)

@@ -49,7 +49,7 @@ TARGET = 0.9  # score within 10% of in-process
 
 def _in_process(runner, task: str, texts: list[str], batch_size: int, chunk_size: int | None) -> Callable[[], float]:
     """A timed pass over pre-encoded batches: input order (``chunk_size`` None) or length-sorted within chunks."""
-    from fusionserve.serving.predictions import TextInput
+    from fusionserve.serving.model.predictions import TextInput
 
     inputs = [TextInput(t) for t in texts]
     order = list(range(len(inputs)))
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.score " + " ".join(argv if argv is not None else sys.argv[1:])
 
     from fusionserve.cli.default import ensure_artifact
-    from fusionserve.serving.artifact import load_artifact, sha256
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.artifact import load_artifact, sha256
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     artifact = args.artifact or ensure_artifact()
     art = load_artifact(artifact)

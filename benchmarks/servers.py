@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _SERVE = """
 import sys
 from pathlib import Path
-from fusionserve.serving.server import ServerConfig, serve_forever
+from fusionserve.serving.process.server import ServerConfig, serve_forever
 threads = int(sys.argv[7]) or None
 grpc_port = int(sys.argv[8]) or None
 queued = {"max_queued": int(sys.argv[9])} if int(sys.argv[9]) else {}

@@ -75,12 +75,12 @@ def _bulk(art: Path, targets: Path, ks: range) -> float:
     from dataclasses import replace
 
     from fusionserve.export.build import build_model
-    from fusionserve.export.live import graph_tables, source_of, task_record, write_task_file
+    from fusionserve.export.live.tables import graph_tables, source_of, task_record, write_task_file
     from fusionserve.export.spec import TaskSpec, load_spec
-    from fusionserve.serving import revisions
-    from fusionserve.serving.artifact import load_artifact
-    from fusionserve.serving.runtime import make_session
-    from fusionserve.serving.tables import table_specs
+    from fusionserve.serving.model import revisions
+    from fusionserve.serving.model.artifact import load_artifact
+    from fusionserve.serving.model.runtime import make_session
+    from fusionserve.serving.model.tables import table_specs
 
     t0 = time.perf_counter()
     a = load_artifact(art)
@@ -107,8 +107,8 @@ def _bulk(art: Path, targets: Path, ks: range) -> float:
 
 
 def _adds(art: Path, targets: Path, n: int, in_process: int) -> dict[str, Any]:
+    from fusionserve.export.live.tasks import add_task
     from fusionserve.export.spec import TaskSpec
-    from fusionserve.export.tasks import add_task
 
     def task(k: int) -> TaskSpec:
         return TaskSpec(f"target{k}", targets / "heads" / f"target{k}", targets / "fusions" / f"target{k}")
@@ -135,9 +135,9 @@ def _adds(art: Path, targets: Path, n: int, in_process: int) -> dict[str, Any]:
 
 _REPLAY = """
 import resource, sys, numpy as np
-from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.runtime import OnnxRunner, Served
-from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.runtime import OnnxRunner, Served
+from fusionserve.serving.model.predictions import TextInput
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
 art, upto = sys.argv[1], int(sys.argv[2])
@@ -166,7 +166,7 @@ def _memory(art: Path) -> dict[str, Any]:
 
 
 def _scale(art: Path, rounds: int = 20) -> dict[str, Any]:
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     runner = OnnxRunner(art, threads=len(os.sched_getaffinity(0)))
     tables = runner.served.tables
@@ -224,7 +224,7 @@ def _first_answer(port: int, task: str, since: float, timeout_s: float = 60) -> 
 
 def _server(art: Path, targets: Path, clients: int, work: Path) -> dict[str, Any]:
     from benchmarks import servers
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model.artifact import load_artifact
 
     tasks = [t for t in load_artifact(art).tasks if not t.startswith("target")]
     srv = servers.start_fusionserve(art, 8150, "haproxy", work)

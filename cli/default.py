@@ -15,8 +15,8 @@ from pathlib import Path
 
 import fusionserve
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.artifact import is_artifact
-from fusionserve.serving.cpu_flags import cpu_has_vnni
+from fusionserve.serving.model.artifact import is_artifact
+from fusionserve.serving.model.cpu_flags import cpu_has_vnni
 from fusionserve.settings import cache_root
 
 DEFAULT_MODEL = Path(fusionserve.__file__).resolve().parent / "default_model"
@@ -55,7 +55,7 @@ def serving_precision(device: str = "auto") -> str:
     docs/guides/int8.md), fp32 on CUDA and on a CPU without them (ONNX Runtime's uint8 x int8 kernel for AVX2 adds
     pairs of products in 16 bits, which the per-row zero points can saturate). Raises DeviceError for an unknown or
     unusable device."""
-    from fusionserve.serving.runtime import resolve_device
+    from fusionserve.serving.model.runtime import resolve_device
 
     return "int8" if resolve_device(device) == "cpu" and cpu_has_vnni() else "fp32"
 

@@ -14,7 +14,7 @@ from typing import Any
 from fusionserve.errors import InputError
 
 # no torch, no onnx: the parser needs no export extra
-from fusionserve.export.gemm_roles import (
+from fusionserve.export.int8.gemm_roles import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,
     DEFAULT_FP32_ROLES,
@@ -24,8 +24,8 @@ from fusionserve.export.gemm_roles import (
     ROLES,
 )
 from fusionserve.scoring.files import MAX_ROW_BYTES  # no pyarrow, no onnxruntime: the parser needs no extra
-from fusionserve.serving.artifact import is_artifact, load_artifact, render_int8, render_manifest
-from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.model.artifact import is_artifact, load_artifact, render_int8, render_manifest
+from fusionserve.serving.model.predictions import TextInput
 
 from . import default
 from .runners import open_runner
@@ -107,7 +107,7 @@ def add_int8_fp32(parser: Any) -> None:
 def int8_options(args: argparse.Namespace) -> Any:
     """The Int8Options of the int8 flags (the defaults where none is given). Raises InputError for an unknown role, an
     alpha outside [0, 1], a calibration file that is empty or not texts (naming it), or a flag without --precision int8."""
-    from fusionserve.export.quantize import DEFAULT_OPTIONS
+    from fusionserve.export.int8.quantize import DEFAULT_OPTIONS
 
     given = {
         f: getattr(args, f.replace("-", "_"), None)
@@ -128,7 +128,7 @@ def int8_options(args: argparse.Namespace) -> Any:
     if args.int8_activations is not None:
         changes["activations"] = args.int8_activations
     if args.calibration is not None:
-        from fusionserve.export.calibration import read_calibration
+        from fusionserve.export.int8.calibration import read_calibration
 
         read_calibration(args.calibration)  # refused now, not after minutes of export
         changes["calibration"] = str(args.calibration)

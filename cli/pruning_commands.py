@@ -84,7 +84,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from fusionserve.scoring.calibrate import calibrate, plot_heatmap
     from fusionserve.scoring.files import check_output, model_files, open_output
     from fusionserve.scoring.inputs import read_labelled_jsonl
-    from fusionserve.serving.activations import stats_document
+    from fusionserve.serving.model.activations import stats_document
 
     _check_batch_size(args)
     inputs = [args.input, *(model_files(args.model) if args.model else [])]
@@ -131,7 +131,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
 def run_prune(args: argparse.Namespace) -> int:
     from fusionserve.export.prune import PruneRule, prune_artifact, render
-    from fusionserve.serving.activations import load_stats
+    from fusionserve.serving.model.activations import load_stats
 
     spec = args.spec if args.spec is not None else str(default.DEFAULT_MODEL / default.SPEC_FILE)
     max_seq_len = args.max_seq_len
@@ -176,7 +176,7 @@ def compare(
     from fusionserve.scoring.evaluate import evaluate
     from fusionserve.scoring.inputs import read_labelled_jsonl
     from fusionserve.scoring.timing import latency_ms
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     scratch = None
     try:

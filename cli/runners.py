@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fusionserve.errors import InputError
-from fusionserve.serving.artifact import MANIFEST, is_artifact
-from fusionserve.serving.runner import ActivationRunner
+from fusionserve.serving.model.artifact import MANIFEST, is_artifact
+from fusionserve.serving.model.runner import ActivationRunner
 
 
 def open_runner(model: str) -> ActivationRunner:
@@ -15,7 +15,7 @@ def open_runner(model: str) -> ActivationRunner:
     Raises InputError for a folder that is not an artifact, and what the runner raises for a bad model."""
     path = Path(model)
     if is_artifact(path):
-        from fusionserve.serving.runtime import OnnxRunner
+        from fusionserve.serving.model.runtime import OnnxRunner
 
         return OnnxRunner(path)
     if path.is_dir():

@@ -10,7 +10,7 @@ from typing import Any
 
 from fusionserve.errors import FusionServeError
 from fusionserve.serving import options
-from fusionserve.serving.ingress import INGRESSES
+from fusionserve.serving.process.ingress import INGRESSES
 from fusionserve.settings import API_KEY_ENV, api_keys, parse_keys
 
 from . import default
@@ -81,7 +81,7 @@ def add_serve(sub: Any) -> None:
         "--replace", action="store_true", help="on a Ray cluster (RAY_ADDRESS) that already runs fusionserve: replace it"
     )
     sv.add_argument(
-        "--grpc-port", type=int, help="also serve gRPC (fusionserve.v1.Classifier, serving/fusionserve.proto) on this port"
+        "--grpc-port", type=int, help="also serve gRPC (fusionserve.v1.Classifier, serving/api/fusionserve.proto) on this port"
     )
     _add_access(sv)
     _add_scaling(sv)
@@ -162,7 +162,7 @@ def _add_scaling(sv: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from fusionserve.serving.server import ServerConfig, serve_forever, serve_supervised
+    from fusionserve.serving.process.server import ServerConfig, serve_forever, serve_supervised
 
     if args.artifact is not None:
         artifact = Path(args.artifact)
@@ -178,7 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
     chosen = {n: getattr(args, n) for n in names if getattr(args, n) is not None} | _api_key_options(args)
     cfg = ServerConfig(artifact, **chosen)
     if args.print_config:
-        from fusionserve.serving.serve_config import render
+        from fusionserve.serving.process.serve_config import render
 
         print(render(cfg), end="")
         return 0

@@ -56,8 +56,8 @@ def _checked(doc: dict[str, Any]) -> str:
 
 
 def run_add(args: argparse.Namespace) -> int:
+    from fusionserve.export.live.tasks import add_task
     from fusionserve.export.spec import TaskSpec
-    from fusionserve.export.tasks import add_task
 
     doc = add_task(args.artifact, TaskSpec(args.name, args.head, args.fusion, args.adapter), args.replace, args.spec)
     change = doc["change"]
@@ -69,7 +69,7 @@ def run_add(args: argparse.Namespace) -> int:
 
 
 def run_remove(args: argparse.Namespace) -> int:
-    from fusionserve.export.tasks import remove_task
+    from fusionserve.export.live.tasks import remove_task
 
     doc = remove_task(args.artifact, args.name)
     print(
@@ -80,8 +80,8 @@ def run_remove(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from fusionserve.serving import revisions
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model import revisions
+    from fusionserve.serving.model.artifact import load_artifact
 
     art = load_artifact(args.artifact, verify=False)
     if art.revision is None:
@@ -100,8 +100,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace) -> int:
     """Print the deployment ``user_config`` to put under the fusionserve deployment of a Serve config (JSON is YAML)."""
-    from fusionserve.serving import revisions
-    from fusionserve.serving.artifact import load_artifact
+    from fusionserve.serving.model import revisions
+    from fusionserve.serving.model.artifact import load_artifact
 
     art = load_artifact(args.artifact, verify=False)
     if art.revision is None:

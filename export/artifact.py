@@ -1,4 +1,4 @@
-"""``fusionserve export``: spec -> validated artifact folder (see serving/artifact.py for the format).
+"""``fusionserve export``: spec -> validated artifact folder (see serving/model/artifact.py for the format).
 
 The artifact is built in a temporary folder beside the target and moved into place only after ONNX Runtime
 matched PyTorch on every task: a failed export leaves nothing behind."""
@@ -17,16 +17,16 @@ from tqdm import tqdm
 
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
-from fusionserve.serving.runtime import make_session
-from fusionserve.serving.tables import WithTables, stack, table_specs
-from fusionserve.serving.tokenize import Encoder
+from fusionserve.serving.model.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
+from fusionserve.serving.model.runtime import make_session
+from fusionserve.serving.model.tables import WithTables, stack, table_specs
+from fusionserve.serving.model.tokenize import Encoder
 
 from .build import Dropped
-from .live import graph_tables, write_first_revision
+from .int8.quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
+from .live.tables import graph_tables, write_first_revision
 from .model import FusionModel
 from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
-from .quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
 from .validate import GRIDS, check_parity, count_cases

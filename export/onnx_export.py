@@ -94,7 +94,7 @@ def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET, live:
     traced: torch.nn.Module = model
     sample, names = _sample_inputs(model), list(INPUTS)
     if live:
-        from .live import LiveGraph, task_tables
+        from .live.tables import LiveGraph, task_tables
 
         tables = {k: v.clone() for k, v in task_tables(model).items()}  # not the buffers: the tracer tracks tensors
         traced = LiveGraph(model, list(tables)).eval()  # eval, as the model: see above

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from fusionserve.errors import SpecError
-from fusionserve.serving.artifact import TaskEntry
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runner import Output
-from fusionserve.serving.tokenize import Encoded, Encoder
+from fusionserve.serving.model.artifact import TaskEntry
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runner import Output
+from fusionserve.serving.model.tokenize import Encoded, Encoder
 
 from .build import build_model
 from .spec import ModelSpec, load_spec

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.activations import load_stats
-from fusionserve.serving.artifact import sha256
+from fusionserve.serving.model.activations import load_stats
+from fusionserve.serving.model.artifact import sha256
 
+from .int8.quantize import DEFAULT_OPTIONS, Int8Options
 from .model import TaskInfo
-from .quantize import DEFAULT_OPTIONS, Int8Options
 
 
 class PruneError(FusionServeError):

@@ -7,8 +7,8 @@ the default model's exported artifact to ``<root>/artifacts``.
 asks for as ``Authorization: Bearer KEY``; read by the server and by each replica from its own environment, so the
 key is never written into a config, an argument list Ray records, or a log.
 
-``FUSIONSERVE_LOOPBACK_SHIM``: a prebuilt loopback shim (``serving/loopback_bind.c`` compiled) for ``fusionserve serve``
-to preload into the Ray it starts, instead of building one with the system's C compiler (serving/loopback.py).
+``FUSIONSERVE_LOOPBACK_SHIM``: a prebuilt loopback shim (``serving/process/loopback_bind.c`` compiled) for ``fusionserve serve``
+to preload into the Ray it starts, instead of building one with the system's C compiler (serving/process/loopback.py).
 
 ``FUSIONSERVE_OPEN_PORTS``: set by ``fusionserve serve`` for the Ray it starts, read by the shim itself: the ports
 (comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 CACHE_ENV = "FUSIONSERVE_CACHE"
-# the loopback shim (serving/loopback.py): a prebuilt library to preload instead of building one; and the ports that
+# the loopback shim (serving/process/loopback.py): a prebuilt library to preload instead of building one; and the ports that
 # keep the wildcard address, set by the server for the Ray it starts and read by the shim itself (loopback_bind.c)
 LOOPBACK_SHIM_ENV = "FUSIONSERVE_LOOPBACK_SHIM"
 OPEN_PORTS_ENV = "FUSIONSERVE_OPEN_PORTS"

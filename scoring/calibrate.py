@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import InputError, MissingDependency
-from fusionserve.serving.activations import token_sums
-from fusionserve.serving.artifact import TaskEntry
-from fusionserve.serving.runner import ActivationRunner
+from fusionserve.serving.model.activations import token_sums
+from fusionserve.serving.model.artifact import TaskEntry
+from fusionserve.serving.model.runner import ActivationRunner
 
 from .files import open_output
 from .inputs import LabelledInput, batched

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusionserve.errors import InputError
-from fusionserve.serving.tokenize import TRUNCATION_DIRECTIONS
+from fusionserve.serving.model.tokenize import TRUNCATION_DIRECTIONS
 
 from .files import MAX_ROW_BYTES
 

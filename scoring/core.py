@@ -11,10 +11,10 @@ import numpy as np
 import pyarrow as pa
 
 from fusionserve.errors import InputError
-from fusionserve.serving.activations import token_means
-from fusionserve.serving.artifact import TaskEntry
-from fusionserve.serving.predictions import TextInput, label_logits, label_scores
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.activations import token_means
+from fusionserve.serving.model.artifact import TaskEntry
+from fusionserve.serving.model.predictions import TextInput, label_logits, label_scores
+from fusionserve.serving.model.runtime import OnnxRunner
 
 from .config import ScoreConfig
 from .readers import Record, to_input

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import InputError
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runner import ActivationRunner
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runner import ActivationRunner
 
 from .inputs import LabelledInput, batched
 

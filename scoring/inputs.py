@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fusionserve.errors import InputError
-from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.model.predictions import TextInput
 
 from .files import MAX_ROW_BYTES, lines, not_utf8, open_input, too_long
 

@@ -10,8 +10,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from fusionserve.errors import InputError
-from fusionserve.serving.predictions import TextInput, label_scores
-from fusionserve.serving.runner import Runner
+from fusionserve.serving.model.predictions import TextInput, label_scores
+from fusionserve.serving.model.runner import Runner
 
 from .inputs import batched
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
-from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.model.predictions import TextInput
 
 from .files import MAX_ROW_BYTES, READ_BYTES, lines, not_utf8, open_input, too_long
 

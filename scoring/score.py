@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
-from fusionserve.serving.artifact import MANIFEST, Artifact, is_artifact, load_artifact, sha256
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.artifact import MANIFEST, Artifact, is_artifact, load_artifact, sha256
+from fusionserve.serving.model.runtime import OnnxRunner
 
 from .config import ScoreConfig
 from .core import Added, score_records

@@ -32,9 +32,9 @@ import ray
 from ray.data.datasource import FileBasedDatasource
 
 from fusionserve.errors import InputError
-from fusionserve.serving.artifact import Artifact
-from fusionserve.serving.cluster import connect
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.artifact import Artifact
+from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.process.cluster import connect
 
 from .config import ScoreConfig
 from .core import Scored, score_records

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import pyarrow as pa
 
 from fusionserve.errors import InputError
-from fusionserve.serving.artifact import sha256
+from fusionserve.serving.model.artifact import sha256
 
 from .config import ScoreConfig
 from .core import Added, Scored

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from fusionserve.errors import InputError
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runner import ActivationRunner
-from fusionserve.serving.tokenize import Encoded
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runner import ActivationRunner
+from fusionserve.serving.model.tokenize import Encoded
 
 
 def fixed_batch(runner: ActivationRunner, batch: int, seq: int) -> Encoded:

@@ -30,16 +30,16 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from fusionserve.errors import FusionServeError
 
 from . import options
-from .artifact import MANIFEST, load_artifact
-from .batching import BatchLimits
-from .grpc_ingress import transport_env
+from .api.grpc_ingress import transport_env
+from .api.schemas import Limits
+from .model.artifact import MANIFEST, load_artifact
+from .model.runtime import DEVICES, DeviceError, resolve_device
 from .options import default
-from .runtime import DEVICES, DeviceError, resolve_device
-from .schemas import Limits
+from .scheduler.batching import BatchLimits
 
 IMPORT_PATH = "fusionserve.serving.builder:app_builder"
 DEPLOYMENT = "fusionserve"
-SERVICER = "fusionserve.serving.grpc_ingress.add_servicer"  # for grpc_options
+SERVICER = "fusionserve.serving.api.grpc_ingress.add_servicer"  # for grpc_options
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the replicas' metrics folder (AppArgs.metrics_dir), in their environment
 
 
@@ -196,7 +196,7 @@ def app_builder(args: AppArgs) -> Any:
     or option) or DeviceError."""
     from ray import serve
 
-    from .app import FusionServe
+    from .api.app import FusionServe
 
     check_artifact(args)
     if args.gpus_per_replica is not None and resolve_device(args.device) == "cuda":

@@ -47,7 +47,7 @@ OPTIONS: dict[str, Option] = {
     "threads": _opt(None, lambda v: v >= 1, ">= 1", optional=True),  # default: the machine's CPUs / (max) replicas
     "gpus_per_replica": _opt(None, lambda v: 0 < v <= 8, "0..8", optional=True),
     # the environment variable holding the API key(s) in every replica's process (never the key itself: see
-    # serving/auth.py); set, every model route asks for a key, and a replica without one refuses to start
+    # serving/api/auth.py); set, every model route asks for a key, and a replica without one refuses to start
     "api_key_env": _opt(None, lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) is not None, "a variable name", True),
     "open_metrics": _opt(True, lambda v: isinstance(v, bool), "true or false"),  # false: /metrics asks for the key too
     # TEI's POST /predict and the Inference API's POST / answer for this task (checked against the artifact's tasks)

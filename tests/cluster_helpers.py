@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusionserve.serving.ingress import free_port, ingress_env
+from fusionserve.serving.process.ingress import free_port, ingress_env
 from tests.serving_helpers import descendants
 
 RAY = str(Path(sys.executable).with_name("ray"))

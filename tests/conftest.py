@@ -15,7 +15,7 @@ from fusionserve.export.artifact import export_artifact
 from fusionserve.export.predict import TorchRunner
 from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
-from fusionserve.serving.activations import stats_document
+from fusionserve.serving.model.activations import stats_document
 from fusionserve.training import sources
 from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers, score_helpers
 from tests.adapterhub_models import TASKS, Built, build

@@ -1,4 +1,4 @@
-"""The gRPC stubs of serving/fusionserve.proto, generated with grpcio-tools (the dev extra pins its version).
+"""The gRPC stubs of serving/api/fusionserve.proto, generated with grpcio-tools (the dev extra pins its version).
 
 The generated files are committed (the package then installs and runs with grpcio and protobuf only, and the
 Docker images need no code generator); ``python -m tests.grpc_stubs`` regenerates them after a change to the
@@ -14,31 +14,31 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTO = ROOT / "serving" / "fusionserve.proto"
+PROTO = ROOT / "serving" / "api" / "fusionserve.proto"
 GENERATED = ("fusionserve_pb2.py", "fusionserve_pb2.pyi", "fusionserve_pb2_grpc.py")
 
 
 def generate(out: Path) -> dict[str, str]:
-    """Run protoc (grpcio-tools) on the .proto as the installed package names it (fusionserve/serving/...), so the
-    generated code imports ``fusionserve.serving.fusionserve_pb2``; returns file name -> text."""
+    """Run protoc (grpcio-tools) on the .proto as the installed package names it (fusionserve/serving/api/...), so the
+    generated code imports ``fusionserve.serving.api.fusionserve_pb2``; returns file name -> text."""
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "fusionserve" / "serving"
+        src = Path(tmp) / "fusionserve" / "serving" / "api"
         src.mkdir(parents=True)
         shutil.copy(PROTO, src / PROTO.name)
         args = ["protoc", f"-I{tmp}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}",
-                f"fusionserve/serving/{PROTO.name}"]  # fmt: skip
+                f"fusionserve/serving/api/{PROTO.name}"]  # fmt: skip
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {PROTO}")
-    return {name: (out / "fusionserve" / "serving" / name).read_text() for name in GENERATED}
+    return {name: (out / "fusionserve" / "serving" / "api" / name).read_text() for name in GENERATED}
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in generate(Path(tmp)).items():
-            (ROOT / "serving" / name).write_text(text)
-            print(f"wrote serving/{name}", file=sys.stderr)
+            (ROOT / "serving" / "api" / name).write_text(text)
+            print(f"wrote serving/api/{name}", file=sys.stderr)
     return 0
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import SENTENCES, Built, build
 
 MAX_SEQ_LEN = 40

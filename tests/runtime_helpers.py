@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
 
 MAX_SEQ_LEN = 32  # parity grid at export: sequence 5 only; buckets 16 and 32

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.serving.ingress import free_port
+from fusionserve.serving.process.ingress import free_port
 
 
 def mutations(good: bytes, count: int, most_edits: int, seed: int = 0) -> list[bytes]:
@@ -155,7 +155,7 @@ def serving(artifact: Path, log: Path, *args: str) -> Iterator[Served]:
 
 def haproxy_config(pid: int) -> Path:
     """The config file of the HAProxy that the server ``pid`` started: ``<its private folder>/<node id>/haproxy.cfg``
-    (see serving/ingress.py)."""
+    (see serving/process/ingress.py)."""
     for child in descendants(pid):
         try:
             argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")

@@ -8,11 +8,11 @@ import sys
 import pytest
 from tokenizers import Tokenizer
 
-from fusionserve.serving.auth import KeyCheck, is_open
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.schemas import HTTPError, timeout_header
-from fusionserve.serving.tei import predictions, read_request
-from fusionserve.serving.tokenize import Encoder
+from fusionserve.serving.api.auth import KeyCheck, is_open
+from fusionserve.serving.api.schemas import HTTPError, timeout_header
+from fusionserve.serving.api.tei import predictions, read_request
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.tokenize import Encoder
 from tests.adapterhub_models import SENTENCES
 
 MAX_LEN = 12

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.backbone_models import ARCHS, LAYERS, TASKS
 from tests.export_helpers import ARCH_MAX_SEQ_LEN, _cli
@@ -126,7 +126,7 @@ def test_command_line_on_a_houlsby_roberta(arch_models, tmp_path, capsys):
 def test_command_line_on_every_backbone(arch_built, arch_exported, tmp_path, capsys):
     """inspect (spec and artifact), predict (spec and artifact, a text pair) and score (a file of pairs) on each
     backbone x adapter architecture give its description and AdapterHub's answers."""
-    from fusionserve.serving.predictions import softmax
+    from fusionserve.serving.model.predictions import softmax
 
     arch, art = arch_built.arch, arch_exported.folder
     houlsby = arch_built.adapter_config == "double_seq_bn"

@@ -17,13 +17,13 @@ from onnx import numpy_helper
 
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.build import build_model
+from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, ROLES, Int8Options, backbone_roles, int8_graph, quantizable
 from fusionserve.export.onnx_export import ExportError
-from fusionserve.export.quantize import DEFAULT_OPTIONS, ROLES, Int8Options, backbone_roles, int8_graph, quantizable
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES
-from fusionserve.serving.artifact import MODEL_FILE, load_artifact, write_manifest
-from fusionserve.serving.predictions import TextInput, softmax
-from fusionserve.serving.runtime import OnnxRunner, make_session
+from fusionserve.serving.model.artifact import MODEL_FILE, load_artifact, write_manifest
+from fusionserve.serving.model.predictions import TextInput, softmax
+from fusionserve.serving.model.runtime import OnnxRunner, make_session
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.backbone_models import HIDDEN, LAYERS, TASKS
 from tests.export_helpers import ARCH_MAX_SEQ_LEN, _cli

@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from fusionserve.serving.batching import BatchLimits, BatchStats, Scheduler
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.scheduler.batching import BatchLimits, BatchStats, Scheduler
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.backbone_models import TASKS
 

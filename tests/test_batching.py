@@ -1,4 +1,4 @@
-"""The replica's continuous batching (serving/batching.py), without Ray or HTTP: a real ONNX Runtime session on the
+"""The replica's continuous batching (serving/scheduler/batching.py), without Ray or HTTP: a real ONNX Runtime session on the
 tiny model. Batches leave as soon as the model is free (no timer), the next one forms while one runs, a request
 larger than a batch is split over several and answers exactly what its texts answer alone, the token budget and
 the count cap hold, and a full queue refuses at once."""
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.batching import BatchLimits, BatchStats, Overloaded, Scheduler
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.scheduler.batching import BatchLimits, BatchStats, Overloaded, Scheduler
 from tests.adapterhub_models import PAIRS, SENTENCES
 
 TEXTS = [TextInput(s) for s in SENTENCES] + [TextInput(a, b) for a, b in PAIRS]
@@ -134,9 +134,9 @@ def test_a_full_queue_refuses_at_once_and_the_rest_are_served(runner):
 def test_a_full_queue_refuses_before_the_request_is_read(runner):
     """The classify core asks the scheduler first: a burst's excess is refused without its body being read or
     parsed (held back in Serve's semaphore instead, it got its 503 seconds late)."""
-    from fusionserve.serving.classify import Classifier
-    from fusionserve.serving.metrics import Metrics
-    from fusionserve.serving.schemas import HTTPError, Limits
+    from fusionserve.serving.api.classify import Classifier
+    from fusionserve.serving.api.metrics import Metrics
+    from fusionserve.serving.api.schemas import HTTPError, Limits
 
     sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=1))
     core = Classifier(runner.encoder, sched, Limits(), Metrics())

@@ -16,14 +16,14 @@ from ray.serve.schema import ServeDeploySchema
 
 from fusionserve.cli.main import main
 from fusionserve.errors import FusionServeError
-from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving.app import FusionServe, _check_identity
-from fusionserve.serving.artifact import MANIFEST, ArtifactError, sha256
-from fusionserve.serving.batching import BatchLimits
+from fusionserve.serving.api import fusionserve_pb2 as pb
+from fusionserve.serving.api.app import FusionServe, _check_identity
+from fusionserve.serving.api.grpc_ingress import grpc_code, request_fields, response_message
+from fusionserve.serving.api.schemas import Limits
 from fusionserve.serving.builder import IMPORT_PATH, SERVICER, app_builder, placement
-from fusionserve.serving.grpc_ingress import grpc_code, request_fields, response_message
-from fusionserve.serving.schemas import Limits
-from fusionserve.serving.server import ServerConfig
+from fusionserve.serving.model.artifact import MANIFEST, ArtifactError, sha256
+from fusionserve.serving.process.server import ServerConfig
+from fusionserve.serving.scheduler.batching import BatchLimits
 from tests import grpc_stubs
 
 
@@ -151,9 +151,9 @@ def test_placement_when_ray_is_not_joined_yet(artifact, monkeypatch):
 def test_grpc_stubs_are_what_the_proto_generates(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) regenerates the stubs")
     for name, text in grpc_stubs.generate(tmp_path).items():
-        committed = (grpc_stubs.ROOT / "serving" / name).read_text()
+        committed = (grpc_stubs.ROOT / "serving" / "api" / name).read_text()
         assert committed == text, (
-            f"serving/{name} differs from what {grpc_stubs.PROTO.name} generates: python -m tests.grpc_stubs"
+            f"serving/api/{name} differs from what {grpc_stubs.PROTO.name} generates: python -m tests.grpc_stubs"
         )
 
 

@@ -11,8 +11,8 @@ from fusionserve.errors import FusionServeError
 from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.evaluate import evaluate
 from fusionserve.scoring.inputs import read_labelled_jsonl
-from fusionserve.serving.activations import load_stats
-from fusionserve.serving.predictions import TextInput
+from fusionserve.serving.model.activations import load_stats
+from fusionserve.serving.model.predictions import TextInput
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
 from tests.prune_helpers import MAX_SEQ_LEN, _cli, _jsonl, _texts
 

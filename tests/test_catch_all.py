@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from fusionserve.serving.artifact import Artifact
-from fusionserve.serving.batching import BatchLimits, Scheduler
-from fusionserve.serving.classify import Classifier
-from fusionserve.serving.metrics import Metrics
-from fusionserve.serving.runtime import OnnxRunner
-from fusionserve.serving.schemas import HTTPError, Limits
+from fusionserve.serving.api.classify import Classifier
+from fusionserve.serving.api.metrics import Metrics
+from fusionserve.serving.api.schemas import HTTPError, Limits
+from fusionserve.serving.model.artifact import Artifact
+from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.scheduler.batching import BatchLimits, Scheduler
 
 LOGGER = "ray.serve.fusionserve"
 ERROR_ID = re.compile(r"unexpected server error \(id ([0-9a-f]{12}), also in the server log\)")
@@ -69,7 +69,7 @@ def test_an_error_in_the_classify_path_is_a_500_with_an_id_that_is_in_the_log(ar
 def test_an_error_in_any_other_route_is_a_json_500_with_an_id_that_is_in_the_log(logged):
     from starlette.requests import Request
 
-    from fusionserve.serving import app as http_app  # imports Ray (not started) and FastAPI
+    from fusionserve.serving.api import app as http_app  # imports Ray (not started) and FastAPI
 
     assert http_app.app.exception_handlers[Exception] is http_app._unexpected
     request = Request({"type": "http", "method": "GET", "path": "/v1/tasks", "headers": [], "query_string": b""})
@@ -83,8 +83,8 @@ def test_an_error_in_any_other_route_is_a_json_500_with_an_id_that_is_in_the_log
 def test_a_grpc_answer_takes_its_labels_from_the_revision_that_computed_it(artifacts):
     """A live artifact's task can be removed or replaced (other labels) between the answer and the reply: the gRPC
     reply's labels are those the answer was computed with, not a lookup in whatever revision is served after it."""
-    from fusionserve.serving import fusionserve_pb2 as pb
-    from fusionserve.serving.grpc_ingress import classify_grpc
+    from fusionserve.serving.api import fusionserve_pb2 as pb
+    from fusionserve.serving.api.grpc_ingress import classify_grpc
 
     runner = OnnxRunner(artifacts.fp32, threads=1, device="cpu")
     labels = runner.artifact.tasks["rte"].labels

@@ -87,7 +87,7 @@ def test_inspect_text_and_json(built_st, capsys):
 def test_inspect_aligns_long_task_names(exported):
     import copy
 
-    from fusionserve.serving.artifact import load_artifact, render_manifest
+    from fusionserve.serving.model.artifact import load_artifact, render_manifest
 
     manifest = copy.deepcopy(load_artifact(exported.folder).manifest)
     long = "a_task_name_longer_than_sixteen_characters"

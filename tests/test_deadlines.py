@@ -1,4 +1,4 @@
-"""Deadlines and abandoned requests in the replica's batching (serving/batching.py), without Ray or HTTP: a real ONNX
+"""Deadlines and abandoned requests in the replica's batching (serving/scheduler/batching.py), without Ray or HTTP: a real ONNX
 Runtime session on the tiny model, held inside a batch by ``Gate`` so that a request is still waiting when its
 deadline passes or its caller goes away. Dropped requests never reach the model, free their place in the queue, and
 the requests around them are answered as usual."""
@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from fusionserve.serving.batching import BatchLimits, BatchStats, DeadlineExceeded, Scheduler
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.scheduler.batching import BatchLimits, BatchStats, DeadlineExceeded, Scheduler
 from tests.adapterhub_models import SENTENCES
 from tests.test_batching import TEXTS, Gate
 

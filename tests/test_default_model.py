@@ -219,7 +219,7 @@ def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeyp
     assert cli.main(["predict", "--task", "alpha_only", "--text", "the movie was great"]) == 0
     assert json.loads(capsys.readouterr().out)["label"] in ("neg", "pos")
 
-    from fusionserve.serving import server
+    from fusionserve.serving.process import server
 
     served = []
     monkeypatch.setattr(server, "serve_forever", served.append)

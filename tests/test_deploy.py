@@ -18,9 +18,9 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from fusionserve.cli.main import main
-from fusionserve.serving import serve_config
 from fusionserve.serving.builder import IMPORT_PATH, SERVICER, AppArgs
-from fusionserve.serving.ingress import node_env
+from fusionserve.serving.process import serve_config
+from fusionserve.serving.process.ingress import node_env
 from fusionserve.settings import API_KEY_ENV
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

@@ -77,7 +77,7 @@ def test_cli_reference_names_every_subcommand_and_option(pages: dict[str, str]) 
 
 
 def test_http_reference_names_every_route(pages: dict[str, str]) -> None:
-    from fusionserve.serving.app import app
+    from fusionserve.serving.api.app import app
 
     page = pages["reference/http.md"]
     routes = set()
@@ -92,7 +92,7 @@ def test_http_reference_names_every_route(pages: dict[str, str]) -> None:
 
 def test_grpc_reference_names_every_method(pages: dict[str, str]) -> None:
     page = pages["reference/grpc.md"]
-    proto = (ROOT / "serving" / "fusionserve.proto").read_text()
+    proto = (ROOT / "serving" / "api" / "fusionserve.proto").read_text()
     package = re.search(r"^package ([\w.]+);", proto, flags=re.M).group(1)
     methods = []
     for service, body in re.findall(r"service (\w+) \{(.*?)\n\}", proto, flags=re.S):
@@ -179,8 +179,8 @@ def test_a_guide_missing_from_the_nav_is_added_to_guides(tmp_path: Path) -> None
     [
         ("guides/x.md", "[results](../../benchmarks/RESULTS.md#load)", "[results](../benchmarks/index.md#load)"),
         ("guides/x.md", "![plot](../../benchmarks/results/load.png)", "![plot](../benchmarks/results/load.png)"),
-        ("guides/x.md", "[the app](../../serving/app.py)", "the app (`serving/app.py`)"),
-        ("guides/x.md", "[`serving/app.py`](../../serving/app.py)", "`serving/app.py`"),
+        ("guides/x.md", "[the app](../../serving/api/app.py)", "the app (`serving/api/app.py`)"),
+        ("guides/x.md", "[`serving/api/app.py`](../../serving/api/app.py)", "`serving/api/app.py`"),
         ("guides/x.md", "[Serving](serving.md#errors)", "[Serving](serving.md#errors)"),
         ("guides/x.md", "[README](../../README.md)", "[README](../index.md)"),
         ("index.md", "[Export](docs/guides/export.md#precisions)", "[Export](guides/export.md#precisions)"),

@@ -17,9 +17,9 @@ from fusionserve.export.artifact import export_artifact
 from fusionserve.export.build import build_model
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, TOLERANCES
-from fusionserve.serving.artifact import _REQUIRED, load_artifact
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.artifact import _REQUIRED, load_artifact
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, VOCAB
 from tests.export_helpers import MAX_SEQ_LEN, OPSET, _cli
 

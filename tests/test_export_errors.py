@@ -11,8 +11,8 @@ import yaml
 from fusionserve.errors import FusionServeError, SpecError
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.validate import TOLERANCES, ParityError
-from fusionserve.serving.artifact import ArtifactError, load_artifact, sha256
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.artifact import ArtifactError, load_artifact, sha256
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.export_helpers import _cli
 
 
@@ -104,7 +104,7 @@ def test_a_corrupt_model_whose_checksum_matches_is_refused_by_predict_and_by_ser
     shutil.copytree(exported.folder, folder)
     (folder / "model.onnx").write_bytes((folder / "model.onnx").read_bytes()[:5000])  # cut short, then re-hashed
     _edit_manifest(lambda m: m["files"].update({"model.onnx": sha256(folder / "model.onnx")}))(folder)
-    import fusionserve.serving.server as server
+    import fusionserve.serving.process.server as server
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started for an artifact that cannot load")

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.runtime import CUDA, OnnxRunner
+from fusionserve.serving.model.runtime import CUDA, OnnxRunner
 from tests.adapterhub_models import TASKS
 from tests.runtime_helpers import FUSION_TASKS, _assert_same, _batches, _run_all
 

@@ -1,4 +1,4 @@
-"""The HAProxy wrapper (serving/haproxy_rules.py) always runs the real HAProxy, also in a process that starts a second
+"""The HAProxy wrapper (serving/process/haproxy_rules.py) always runs the real HAProxy, also in a process that starts a second
 server after the first one's run folder (with its wrapper) was removed. No Ray here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from fusionserve.serving.haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
+from fusionserve.serving.process.haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
 
 
 def test_a_removed_wrapper_of_an_earlier_server_is_not_taken_for_the_binary(tmp_path, monkeypatch):

@@ -15,8 +15,7 @@ from onnx import numpy_helper
 
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.build import build_model
-from fusionserve.export.onnx_export import ExportError
-from fusionserve.export.quantize import (
+from fusionserve.export.int8.quantize import (
     DEFAULT_OPTIONS,
     ROLES,
     Int8Gate,
@@ -26,11 +25,12 @@ from fusionserve.export.quantize import (
     check_int8,
     quantizable,
 )
+from fusionserve.export.onnx_export import ExportError
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, TOLERANCES, count_cases
-from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.predictions import TextInput, label_scores, softmax
-from fusionserve.serving.runtime import OnnxRunner, make_session
+from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.predictions import TextInput, label_scores, softmax
+from fusionserve.serving.model.runtime import OnnxRunner, make_session
 from tests.adapterhub_models import TASKS
 from tests.export_helpers import _cli
 from tests.runtime_helpers import MAX_SEQ_LEN, _batches

@@ -1,4 +1,4 @@
-"""Per-row int8 activations (``export/rowwise.py``): the rewritten MatMul answers as the fp32 one within int8's error,
+"""Per-row int8 activations (``export/int8/rowwise.py``): the rewritten MatMul answers as the fp32 one within int8's error,
 a row's answer does not depend on the other rows of its batch (an outlier token costs only its own row), an all-zero
 row stays zero, and the export quantizes the backbone's GEMMs that way and gates them, mixed batches included."""
 
@@ -11,13 +11,13 @@ from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
 from fusionserve.export.build import build_model
-from fusionserve.export.gemm_roles import ROW_ROLES
-from fusionserve.export.quantize import Int8Options, backbone_roles
-from fusionserve.export.rowwise import quantize_rows, weight_int8, zero_point_rows
+from fusionserve.export.int8.gemm_roles import ROW_ROLES
+from fusionserve.export.int8.quantize import Int8Options, backbone_roles
+from fusionserve.export.int8.rowwise import quantize_rows, weight_int8, zero_point_rows
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, count_cases
-from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.runtime import make_session
+from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.runtime import make_session
 from tests.adapterhub_models import TASKS
 from tests.export_helpers import _cli
 from tests.runtime_helpers import MAX_SEQ_LEN
@@ -149,8 +149,8 @@ def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, art
 def _warned_on_a_cpu_without_vnni(art, artifacts, tmp_path, monkeypatch, caplog) -> None:
     """ONNX Runtime's uint8 x int8 kernels for AVX2 sum pairs of products in 16 bits: the per-row graph, checked on a
     VNNI CPU at export, may answer otherwise there. A server that loads it on such a CPU says so, once, naming it."""
-    from fusionserve.serving import cpu_flags
-    from fusionserve.serving.runtime import OnnxRunner
+    from fusionserve.serving.model import cpu_flags
+    from fusionserve.serving.model.runtime import OnnxRunner
 
     avx2, vnni = tmp_path / "avx2", tmp_path / "vnni"
     avx2.write_text("flags\t\t: fpu sse avx2 fma\n")

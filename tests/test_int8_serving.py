@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.predictions import TextInput, softmax
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput, softmax
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.serving_helpers import call, serving
 

@@ -1,4 +1,4 @@
-"""SmoothQuant before int8 (``export/smooth.py``): the smoothed fp32 graph answers as the original, the int8 gate runs
+"""SmoothQuant before int8 (``export/int8/smooth.py``): the smoothed fp32 graph answers as the original, the int8 gate runs
 on the graph quantized from it (mixed batches included), static QDQ is gated alike, a calibration file that is empty
 or not texts is refused before anything is exported, and ``inspect`` shows the smoothing."""
 
@@ -10,14 +10,14 @@ import pytest
 from onnx import numpy_helper
 
 from fusionserve.export.build import build_model
-from fusionserve.export.calibration import calibration_inputs
-from fusionserve.export.quantize import ROLES, Int8Options, backbone_roles, quantizable
-from fusionserve.export.smooth import SMOOTH_TOLERANCE, SmoothingError, check_smoothed, smooth_graph
+from fusionserve.export.int8.calibration import calibration_inputs
+from fusionserve.export.int8.quantize import ROLES, Int8Options, backbone_roles, quantizable
+from fusionserve.export.int8.smooth import SMOOTH_TOLERANCE, SmoothingError, check_smoothed, smooth_graph
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, grid_inputs, mixed_cases
-from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.runtime import make_session
-from fusionserve.serving.tokenize import Encoder
+from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.runtime import make_session
+from fusionserve.serving.model.tokenize import Encoder
 from tests.adapterhub_models import TASKS
 from tests.export_helpers import _cli
 from tests.runtime_helpers import MAX_SEQ_LEN

@@ -18,10 +18,8 @@ PACKAGES = {"fusionserve": "fusionserve", "cli": "fusionserve.cli", "export": "f
             "serving": "fusionserve.serving", "scoring": "fusionserve.scoring", "training": "fusionserve.training"}  # fmt: skip
 BASE = {"fusionserve", "fusionserve.errors", "fusionserve.settings"}
 # serving's light contracts: what the artifact is and how to run it, usable without the HTTP server
-CONTRACTS = {
-    f"fusionserve.serving.{m}"
-    for m in ("artifact", "revisions", "tables", "tokenize", "runtime", "runner", "predictions", "activations", "cluster")
-}
+# (serving/model/: the artifact, its revisions and tables, tokenizing, the runtime; and joining Ray, for score --ray)
+CONTRACTS = {"fusionserve.serving.model", "fusionserve.serving.process.cluster"}
 SERVING = "fusionserve.serving"
 # layer -> what it may import besides itself and the base
 ALLOWED = {
@@ -37,8 +35,10 @@ ALLOWED = {
 def _modules() -> dict[str, Path]:
     found = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join((package, *parts))] = path
     return found
 
 
@@ -74,6 +74,29 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, set(modules)) - {name} for name, path in modules.items()}
 
 
+# serving/'s parts, bottom to top: a module imports its own part and the parts below it, never one above
+SERVING_PARTS = [f"{SERVING}.{p}" for p in ("options", "model", "scheduler", "api", "builder", "process")]
+
+
+def _part(module: str) -> int:
+    for i, part in enumerate(SERVING_PARTS):
+        if module == part or module.startswith(part + "."):
+            return i
+    raise AssertionError(f"{module} belongs to no part of serving/: {SERVING_PARTS}")
+
+
+def test_serving_parts_import_downwards():
+    modules = [m for m in _graph() if m.startswith(SERVING + ".")]
+    assert {SERVING_PARTS[_part(m)] for m in modules} == set(SERVING_PARTS)  # every part was found
+    wrong = [
+        f"{m} ({SERVING_PARTS[_part(m)]}) imports {t}"
+        for m in modules
+        for t in sorted(_graph()[m])
+        if t.startswith(SERVING + ".") and t != SERVING and _part(t) > _part(m)
+    ]
+    assert not wrong, "serving/ imports against its parts' order:\n" + "\n".join(wrong)
+
+
 def test_every_import_points_down_the_layers():
     wrong = []
     for module, targets in _graph().items():
@@ -87,8 +110,12 @@ def test_every_import_points_down_the_layers():
 
 
 def test_scoring_and_export_use_only_servings_contracts_not_the_http_server():
-    http = {m for m in _modules() if m.startswith(SERVING + ".") and m not in CONTRACTS}
-    assert http >= {f"{SERVING}.app", f"{SERVING}.server", f"{SERVING}.batching"}  # the check means something
+    http = {m for m in _modules() if m.startswith(SERVING + ".") and not any(m == c or m.startswith(c + ".") for c in CONTRACTS)}
+    assert http >= {
+        f"{SERVING}.api.app",
+        f"{SERVING}.process.server",
+        f"{SERVING}.scheduler.batching",
+    }  # the check means something
     users = [(m, t) for m, ts in _graph().items() for t in ts & http if not m.startswith((SERVING, "fusionserve.cli"))]
     assert not users
 
@@ -136,7 +163,7 @@ def test_serving_scoring_and_cli_import_without_torch():
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "torch": False,
         "transformers": False,
-        "onnx": False,  # the export extra's graph library: the CLI's parser takes int8 roles from export/gemm_roles.py
+        "onnx": False,  # the export extra's graph library: the CLI's parser takes int8 roles from export/int8/gemm_roles.py
         "onnxruntime": True,
         "tokenizers": True,
     }

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fusionserve.cli.main import main
-from fusionserve.serving.predictions import softmax
+from fusionserve.serving.model.predictions import softmax
 from tests.adapterhub_models import SENTENCES
 from tests.live_helpers import FIRST, answers, make_live
 from tests.serving_helpers import call, serving

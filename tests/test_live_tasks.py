@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from fusionserve.cli.main import main
 from fusionserve.export.artifact import export_artifact
+from fusionserve.export.live.tasks import add_task
 from fusionserve.export.spec import TaskSpec
-from fusionserve.export.tasks import add_task
-from fusionserve.serving import revisions
-from fusionserve.serving.artifact import ArtifactError, load_artifact
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model import revisions
+from fusionserve.serving.model.artifact import ArtifactError, load_artifact
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests import live_helpers
 from tests.live_helpers import FIRST, LiveModel, answers, make_live
 

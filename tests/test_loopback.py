@@ -1,4 +1,4 @@
-"""Loopback means loopback (serving/loopback.py, issue 29): `fusionserve serve --host 127.0.0.1` has no listening
+"""Loopback means loopback (serving/process/loopback.py, issue 29): `fusionserve serve --host 127.0.0.1` has no listening
 socket outside loopback anywhere in its process tree (the supervisor, the server with its Ray driver, Ray's GCS,
 raylet, agents and workers, Serve's replicas, HAProxy); with `--host 0.0.0.0` only the serving ports are on every
 interface. Before, 18 listeners of such a server were on every interface (or on the machine's address). The shim
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.serving import loopback
-from fusionserve.serving.server import ServerConfig
+from fusionserve.serving.process import loopback
+from fusionserve.serving.process.server import ServerConfig
 from tests.serving_helpers import MARK_ENV, call, carrying, free_port, is_loopback, launch, listeners_once_up, new_mark
 
 HAS_COMPILER = any(shutil.which(c) for c in loopback.COMPILERS)
@@ -119,8 +119,8 @@ def marked():
 def _classify_grpc(port: int, host: str = "127.0.0.1") -> int:
     import grpc
 
-    from fusionserve.serving import fusionserve_pb2 as pb
-    from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
+    from fusionserve.serving.api import fusionserve_pb2 as pb
+    from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         answer = pb_grpc.ClassifierStub(channel).Classify(

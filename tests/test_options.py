@@ -6,9 +6,9 @@ import pytest
 from fusionserve.cli.main import build_parser
 from fusionserve.errors import FusionServeError
 from fusionserve.serving import options
-from fusionserve.serving.batching import BatchLimits
+from fusionserve.serving.api.schemas import Limits
 from fusionserve.serving.builder import AppArgs
-from fusionserve.serving.schemas import Limits
+from fusionserve.serving.scheduler.batching import BatchLimits
 
 
 def test_every_default_comes_from_the_options_table():

@@ -18,10 +18,10 @@ from fusionserve.export.prune import PruneError, PruneRule, dropped, plan, prune
 from fusionserve.export.spec import load_spec
 from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
-from fusionserve.serving.activations import CalibrationError, load_stats, stats_document
-from fusionserve.serving.artifact import load_artifact
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.activations import CalibrationError, load_stats, stats_document
+from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, write_base
 from tests.prune_helpers import MAX_SEQ_LEN, _cli, _jsonl, _texts
 from tests.reference import plain_fusion

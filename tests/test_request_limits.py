@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
-from fusionserve.serving.grpc_ingress import ERROR_TYPE_KEY
+from fusionserve.serving.api import fusionserve_pb2 as pb
+from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
+from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from fusionserve.serving.options import CHARS_PER_TOKEN_BUDGET, MAX_ERROR_CHARS, MAX_TASK_NAME_CHARS
 from tests.serving_helpers import call, descendants, free_port, launch, mutations, stop
 

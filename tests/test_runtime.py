@@ -12,11 +12,11 @@ import pytest
 
 from fusionserve.cli.main import main
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.batching import BatchLimits, BatchStats, JobResult, Scheduler
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import CUDA, CUDA_BUCKET, DeviceError, OnnxRunner, resolve_device
-from fusionserve.serving.server import ServerConfig, placement
-from fusionserve.serving.tokenize import bucket_length, bucket_lengths
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import CUDA, CUDA_BUCKET, DeviceError, OnnxRunner, resolve_device
+from fusionserve.serving.model.tokenize import bucket_length, bucket_lengths
+from fusionserve.serving.process.server import ServerConfig, placement
+from fusionserve.serving.scheduler.batching import BatchLimits, BatchStats, JobResult, Scheduler
 from tests.adapterhub_models import SENTENCES, TASKS
 from tests.runtime_helpers import FUSION_TASKS, MAX_SEQ_LEN, _assert_same, _batches, _run_all
 

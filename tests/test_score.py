@@ -15,8 +15,8 @@ from fusionserve.errors import InputError
 from fusionserve.scoring.core import mean_activations, score_inputs
 from fusionserve.scoring.progress import side_files
 from fusionserve.scoring.score import score_file
-from fusionserve.serving.predictions import TextInput, label_scores
-from fusionserve.serving.runtime import OnnxRunner
+from fusionserve.serving.model.predictions import TextInput, label_scores
+from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS
 from tests.score_helpers import MAX_SEQ_LEN, _cfg, _errors, _read, _texts, _write
 

@@ -28,9 +28,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving import fusionserve_pb2 as pb
-from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
-from fusionserve.serving.grpc_ingress import ERROR_TYPE_KEY
+from fusionserve.serving.api import fusionserve_pb2 as pb
+from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
+from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.serving_helpers import descendants, free_port, launch, stop
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.ingress import port_holder
+from fusionserve.serving.process.ingress import port_holder
 from tests.serving_helpers import (
     MARK_ENV,
     alive,
@@ -157,13 +157,13 @@ def test_a_group_signal_while_serving_stops_everything_and_exits_0(artifact, tmp
 
 def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(artifact, tmp_path, marked):
     """--host 127.0.0.1 (the default) bound the replica's own gRPC server, HAProxy's gRPC target, on every interface
-    (Serve writes "[::]:PORT"); it is on loopback now (the loopback shim, serving/loopback.py), and gRPC through
+    (Serve writes "[::]:PORT"); it is on loopback now (the loopback shim, serving/process/loopback.py), and gRPC through
     HAProxy still answers. The whole process tree: tests/test_loopback.py."""
     import grpc
     import psutil
 
-    from fusionserve.serving import fusionserve_pb2 as pb
-    from fusionserve.serving import fusionserve_pb2_grpc as pb_grpc
+    from fusionserve.serving.api import fusionserve_pb2 as pb
+    from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 
     _, env = marked
     grpc_port = free_port()

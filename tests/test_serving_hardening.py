@@ -143,7 +143,7 @@ def test_a_body_shorter_than_its_content_length_gets_408_and_the_server_goes_on(
 def test_after_a_408_the_connection_is_closed(server):
     """Through HAProxy the replica's 408 lost its `connection: close`: the client's connection stayed open, HAProxy
     still waiting for the rest of the body, and a request sent on it hung. HAProxy now answers the 408 itself (JSON,
-    serving/haproxy_rules.py) and closes the connection."""
+    serving/process/haproxy_rules.py) and closes the connection."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=15) as s:
         s.sendall(b'POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"ta')
         answer = b""
@@ -281,7 +281,7 @@ def test_an_interruption_caught_while_starting_still_exits_0():
     namedtuple build their methods with exec and eval) while the signal lands; here it lands there every time."""
     code = (
         "import os, signal, threading\n"
-        "from fusionserve.serving import server\n"
+        "from fusionserve.serving.process import server\n"
         "server._on_signals(server._interrupt)\n"
         "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
         "try:\n"
@@ -311,7 +311,7 @@ def test_haproxy_fits_the_open_file_limit_it_gets(tmp_path):
     hard one; when even that is short, HAProxy's connection limit is lowered to fit."""
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])));"
-        "from pathlib import Path; from fusionserve.serving.ingress import ingress_env;"
+        "from pathlib import Path; from fusionserve.serving.process.ingress import ingress_env;"
         "env = ingress_env('haproxy', Path(sys.argv[3]));"
         "print(env.get('RAY_SERVE_HAPROXY_MAXCONN'), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
@@ -334,7 +334,7 @@ def test_each_server_has_its_own_fallback_proxy_ports(tmp_path):
     """With HAProxy, Serve also starts a fallback proxy (HAProxy's backup server when no replica is up) on 8500 / 9500
     unless told otherwise, bound with port reuse: two servers on one machine both listened on 127.0.0.1:8500 (seen with
     ss), so one server's HAProxy could hand requests to the other server's model. Each server gets free ports of its own."""
-    from fusionserve.serving.ingress import ingress_env, port_holder
+    from fusionserve.serving.process.ingress import ingress_env, port_holder
 
     first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     for key in ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
@@ -348,7 +348,7 @@ def test_each_server_has_its_own_replica_grpc_ports(tmp_path):
     with Serve's one default range, the first replica of every server on a machine listened on *:40000 (seen with ss:
     three servers' replicas on one port), and gRPC calls through one server's HAProxy reached the others' models (a
     call got another server's size limit). Each server's replicas take their gRPC ports from a free range of its own."""
-    from fusionserve.serving.ingress import ingress_env, port_holder
+    from fusionserve.serving.process.ingress import ingress_env, port_holder
 
     first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
@@ -361,7 +361,7 @@ def test_free_port_never_hands_out_one_port_twice_in_a_process(tmp_path):
     two of its components the same port ("Ray component metrics_export is trying to use a port number 29665 that is
     used by other components"), and a server's other ports may not fall in its replicas' gRPC range either."""
     code = (
-        "import json, sys; from pathlib import Path; from fusionserve.serving.ingress import free_port, ingress_env;"
+        "import json, sys; from pathlib import Path; from fusionserve.serving.process.ingress import free_port, ingress_env;"
         "env = ingress_env('haproxy', Path(sys.argv[1]));"
         "print(json.dumps({'env': env, 'ports': [free_port() for _ in range(1500)]}))"
     )  # a process of its own: 1500 ports handed out here would be 1500 fewer for the other tests of this one

@@ -1,4 +1,4 @@
-"""One place bounds a text before it is tokenized (serving/tokenize.py, ``Encoder``): a text longer than the token
+"""One place bounds a text before it is tokenized (serving/model/tokenize.py, ``Encoder``): a text longer than the token
 limit x CHARS_PER_TOKEN_BUDGET characters is cut there, for every caller, and flagged truncated; strict mode counts
 tokens in the scheduler's tokenizer thread, never on the event loop. A real tokenizer and ONNX Runtime session."""
 
@@ -8,13 +8,13 @@ import threading
 import numpy as np
 import pytest
 
-from fusionserve.serving.batching import BatchLimits, Scheduler
-from fusionserve.serving.classify import Classifier, parse_json
-from fusionserve.serving.metrics import Metrics
+from fusionserve.serving.api.classify import Classifier, parse_json
+from fusionserve.serving.api.metrics import Metrics
+from fusionserve.serving.api.schemas import HTTPError, Limits
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.options import CHARS_PER_TOKEN_BUDGET
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.runtime import OnnxRunner
-from fusionserve.serving.schemas import HTTPError, Limits
+from fusionserve.serving.scheduler.batching import BatchLimits, Scheduler
 
 HUGE = "word " * 180_000  # 900 KB
 

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fusionserve.serving.activations import token_sums
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.tokenize import Encoder
+from fusionserve.serving.model.activations import token_sums
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.tokenize import Encoder
 
 from .datasets import Dataset
 from .recipe import REFERENCE, RELATED, SOURCES, TARGETS, TEST_PLUS_UNUSED, Recipe, load_data, seed_of

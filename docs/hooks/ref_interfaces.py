@@ -98,7 +98,7 @@ def cli_page() -> str:
 
 def http_routes() -> list[tuple[str, str, bool]]:
     """(method, path, in the OpenAPI schema) of every route of the replica's FastAPI app."""
-    from fusionserve.serving.app import app
+    from fusionserve.serving.api.app import app
 
     def walk(routes: list[Any]) -> Iterator[Any]:
         for route in routes:
@@ -153,13 +153,13 @@ def _schema_table(name: str, schema: dict[str, Any]) -> list[str]:
 
 
 def http_page() -> str:
-    from fusionserve.serving.app import app
+    from fusionserve.serving.api.app import app
 
     schema = app.openapi()
     out = [
         "# HTTP API",
         GENERATED,
-        f"{schema['info'].get('description', '')} Read from the replica's FastAPI app (`serving/app.py`, version "
+        f"{schema['info'].get('description', '')} Read from the replica's FastAPI app (`serving/api/app.py`, version "
         f"{schema['info']['version']}): a running server serves the same schema at `/openapi.json` and a browsable "
         'page at `/docs`. Every refusal has the body `{"error": {"type": ..., "message": ...}}`: the types are '
         "in [Errors](errors.md).",
@@ -217,7 +217,7 @@ def http_page() -> str:
 
 def grpc_methods() -> list[tuple[str, str, str, str]]:
     """(service full name, method, input message, output message) from the compiled descriptor."""
-    from fusionserve.serving import fusionserve_pb2 as pb
+    from fusionserve.serving.api import fusionserve_pb2 as pb
 
     return [
         (service.full_name, method.name, method.input_type.full_name, method.output_type.full_name)
@@ -238,14 +238,14 @@ def _repeated(field: Any) -> bool:
 
 
 def grpc_page() -> str:
-    from fusionserve.serving import fusionserve_pb2 as pb
+    from fusionserve.serving.api import fusionserve_pb2 as pb
 
     scalars = _scalar_names()
-    proto = (ROOT / "serving" / "fusionserve.proto").read_text()
+    proto = (ROOT / "serving" / "api" / "fusionserve.proto").read_text()
     out = [
         "# gRPC API",
         GENERATED,
-        "From `serving/fusionserve.proto` (installed with the package as `fusionserve/serving/fusionserve.proto`) and "
+        "From `serving/api/fusionserve.proto` (installed with the package as `fusionserve/serving/api/fusionserve.proto`) and "
         "the stubs compiled from it. Send the metadata `application: fusionserve` with every call. How to serve and "
         "call it: [the gRPC guide](../guides/grpc.md).",
         "",

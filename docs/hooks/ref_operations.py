@@ -16,7 +16,7 @@ def metric_families() -> list[tuple[str, str, str, tuple[str, ...]]]:
     """(name as scraped, type, help, label names) of everything a replica's ``/metrics`` can report."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from fusionserve.serving import metrics as module
+    from fusionserve.serving.api import metrics as module
 
     registry_owner = module.Metrics()
     body, _ = registry_owner.render()
@@ -44,13 +44,13 @@ def metric_families() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
 
 def metrics_page() -> str:
-    from fusionserve.serving import metrics as module
+    from fusionserve.serving.api import metrics as module
 
     out = [
         "# Metrics",
         GENERATED,
         "What `GET /metrics` reports (Prometheus text format), read from a fresh `Metrics` registry "
-        "(`serving/metrics.py`). How they are recorded:",
+        "(`serving/api/metrics.py`). How they are recorded:",
         "",
         md((module.__doc__ or "").strip()),
         "",
@@ -152,7 +152,7 @@ def exception_classes() -> list[tuple[str, str, str]]:
 
 def errors_page() -> str:
     from fusionserve.cli import main as cli_main
-    from fusionserve.serving.grpc_ingress import ERROR_TYPE_KEY, grpc_code
+    from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY, grpc_code
 
     out = [
         "# Errors",
@@ -266,14 +266,14 @@ def environment_page() -> str:
     for name, use, where in environment_variables():
         meaning = described.get(name) or _OTHERS.get(name, "")
         out.append(f"| `{name}` | {use} | {cell(meaning)} | `{where}` |")
-    from fusionserve.serving.ingress import INGRESSES, node_env
+    from fusionserve.serving.process.ingress import INGRESSES, node_env
 
     envs = {ingress: node_env(ingress) for ingress in INGRESSES}
     out += [
         "",
         "## Set for Ray Serve's ingress",
         "",
-        "`fusionserve serve` starts Ray with these settings of the `--ingress` it serves behind (`serving/ingress.py`); "
+        "`fusionserve serve` starts Ray with these settings of the `--ingress` it serves behind (`serving/process/ingress.py`); "
         "Ray's processes read them when they start, so on a cluster every `ray start` needs them "
         "(`fusionserve serve --print-config` lists them; see [Scaling out](../guides/scaling-out.md)). The thread "
         "count follows the machine's cores.",

@@ -2,7 +2,7 @@
 
 Each page is written by one function of ``ref_interfaces.py`` or ``ref_operations.py``: the command line from the
 argparse parsers, the HTTP API from the FastAPI app's OpenAPI schema and routes (imported, never served: importing
-``fusionserve.serving.app`` starts no Ray), the gRPC API from the ``.proto`` and its compiled descriptor, the metrics
+``fusionserve.serving.api.app`` starts no Ray), the gRPC API from the ``.proto`` and its compiled descriptor, the metrics
 from a ``Metrics`` registry, the error types from every ``HTTPError(status, "type", ...)`` in ``serving/`` and the
 typed exceptions, the environment variables from every literal the source reads. Needs the ``[serve]`` extra
 (FastAPI, Ray Serve, prometheus-client, grpcio). ``docs/hooks/site.py`` adds the pages to the site;

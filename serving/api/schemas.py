@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError, model_validator
 
-from .options import (
+from ..options import (
     MAX_TASK_NAME_CHARS,
     MAX_TASKS_PER_REQUEST,
     MAX_TIMEOUT_MS,

@@ -11,7 +11,7 @@ import numpy as np
 
 from fusionserve.errors import InputError
 
-from .options import meaningful
+from ..options import meaningful
 
 
 @dataclass(frozen=True)

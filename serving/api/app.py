@@ -26,16 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError
 
-from . import revisions
-from .artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from ..model import revisions
+from ..model.artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from ..model.predictions import TextInput
+from ..model.runtime import OnnxRunner
+from ..options import bounded
+from ..scheduler.batching import BatchLimits, BatchStats, Scheduler
 from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
-from .batching import BatchLimits, BatchStats, Scheduler
 from .classify import Classifier, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc, record_call_deadlines
 from .metrics import Metrics
-from .options import bounded
-from .predictions import TextInput
-from .runtime import OnnxRunner
 from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
 from .tei import predictions, read_request
 
@@ -74,7 +74,7 @@ class _ClassifyFastPath:
 
 class _KeyGuard:
     """With an API key set, every request outside the open paths (probes, docs, and /metrics unless closed) must
-    carry it (serving/auth.py), whichever route, the fast path's included: refused here with 401 before anything
+    carry it (serving/api/auth.py), whichever route, the fast path's included: refused here with 401 before anything
     else reads it."""
 
     def __init__(self, app: Any) -> None:
@@ -207,7 +207,7 @@ class FusionServe:
         record_call_deadlines()
         artifact = load_artifact(artifact_dir)
         _check_identity(artifact.folder, artifact_sha256)
-        # the keys from this process's own environment (never an argument: see serving/auth.py); none set: refused
+        # the keys from this process's own environment (never an argument: see serving/api/auth.py); none set: refused
         self.keys = KeyCheck.from_env(api_key_env) if api_key_env else None
         self.open_metrics = open_metrics
         if default_task is not None and default_task not in artifact.tasks:
@@ -218,7 +218,7 @@ class FusionServe:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
             os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
         # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
-        # buffers and pads batches to bucket lengths (see serving/runtime.py).
+        # buffers and pads batches to bucket lengths (see serving/model/runtime.py).
         runner = OnnxRunner(artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)
         self.limits = limits
         self.stats = Metrics()
@@ -226,7 +226,7 @@ class FusionServe:
         self.core = Classifier(runner.encoder, self.scheduler, limits, self.stats)
         self.runner = runner
         self.stats.revision.set(-1 if runner.served.revision is None else runner.served.revision)
-        if runner.served.revision is not None:  # a live artifact: follow its published revision (serving/revisions.py)
+        if runner.served.revision is not None:  # a live artifact: follow its published revision (serving/model/revisions.py)
             threading.Thread(target=self._follow_revisions, name="fusionserve-revisions", daemon=True).start()
         self._ready_at = 0.0
         self.where = _where()
@@ -284,7 +284,7 @@ class FusionServe:
 
     @app.post("/predict", responses={404: {"description": "no --default-task"}, 422: {"description": "bad request body"}})
     async def predict(self, request: Request) -> Response:
-        """TEI's /predict for the server's --default-task: a text, a pair [a, b] or a list of them (serving/tei.py);
+        """TEI's /predict for the server's --default-task: a text, a pair [a, b] or a list of them (serving/api/tei.py);
         answers [{label, score}, ...] sorted by score, or a list of those for a list."""
         return await self._compatible(request, "/predict", nested=False)
 
@@ -295,7 +295,7 @@ class FusionServe:
         return await self._compatible(request, "/", nested=True)
 
     async def Classify(self, request: Any, grpc_context: Any = None) -> Any:
-        """gRPC ``fusionserve.v1.Classifier/Classify``: the same path as POST /v1/classify (serving/grpc_ingress.py)."""
+        """gRPC ``fusionserve.v1.Classifier/Classify``: the same path as POST /v1/classify (serving/api/grpc_ingress.py)."""
         return await classify_grpc(self.core, request, grpc_context, self.where, self.keys)
 
     @app.get("/v1/tasks")
@@ -348,7 +348,7 @@ class FusionServe:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        """Prometheus text format (all replicas on this node, see serving/metrics.py)."""
+        """Prometheus text format (all replicas on this node, see serving/api/metrics.py)."""
         body, content_type = self.stats.render()
         return Response(body, media_type=content_type)
 

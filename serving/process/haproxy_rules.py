@@ -11,12 +11,12 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
 The wrapper also binds HAProxy's own pages (stats, Prometheus), which Serve's template puts on every interface
-(``bind *:PORT``, ``bind :PORT``), to 127.0.0.1: only the serving ports are for other machines (serving/loopback.py;
+(``bind *:PORT``, ``bind :PORT``), to 127.0.0.1: only the serving ports are for other machines (serving/process/loopback.py;
 an explicit address in the config, not the shim's, because HAProxy matches the listeners it takes over from its
 previous process on a reload by their configured address: a moved one did not match and paused the HTTP frontend).
 
 The wrapper also starts HAProxy with a parent-death signal (``setpriv --pdeathsig KILL``, where util-linux is
-there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/supervise.py).
+there), so that HAProxy dies with Serve's HAProxy manager, whatever kills it (serving/process/supervise.py).
 
 Only for the HAProxy of a server started here or with ``ingress_env`` (a Ray cluster's nodes are started with
 ``node_env``, without it).
@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
-MARK = "# fusionserve additions (serving/haproxy_rules.py)"
+MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
 _REASONS = {405: "Method Not Allowed", 408: "Request Timeout"}
 
 

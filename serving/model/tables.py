@@ -1,4 +1,4 @@
-"""A live artifact's task tables (see export/live.py): graph inputs named ``task.*`` whose first axis is the task.
+"""A live artifact's task tables (see export/live/tables.py): graph inputs named ``task.*`` whose first axis is the task.
 
 One file per task holds that task's slice of every table (numpy ``.npz``, uncompressed); a revision lists its tasks'
 files in task-index order, and the tables fed to the graph are those slices stacked. No torch here.

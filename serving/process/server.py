@@ -17,13 +17,13 @@ import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
 
+from ..api.grpc_ingress import transport_env
+from ..builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
+from ..model.artifact import MANIFEST, load_artifact, sha256
+from ..model.runtime import make_session, resolve_device
 from . import loopback
-from .artifact import MANIFEST, load_artifact, sha256
-from .builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from .cluster import connect
-from .grpc_ingress import transport_env
 from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, wait_all_routed, wait_routed
-from .runtime import make_session, resolve_device
 from .supervise import (
     descendants,
     end_run,
@@ -40,7 +40,7 @@ __all__ = ["APP_NAME", "ServerConfig", "placement", "serve_forever", "serve_hand
 APP_NAME = "fusionserve"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _metrics_dir: str | None = None  # where this server's replicas pool their Prometheus samples (in the run folder)
-_ingress_dir: str | None = None  # the run folder (serving/supervise.py): HAProxy's config, socket and state files
+_ingress_dir: str | None = None  # the run folder (serving/process/supervise.py): HAProxy's config, socket and state files
 _deployed = False  # this process deployed (or, with --replace, took over) the application: stop() takes it down
 # unless another server replaced it since (see _delete_if_ours)
 
@@ -57,9 +57,9 @@ class ServerConfig:
     app: AppArgs
     host: str = "127.0.0.1"
     port: int = 8000
-    ingress: str = INGRESSES[0]  # see serving/ingress.py
+    ingress: str = INGRESSES[0]  # see serving/process/ingress.py
     replace: bool = False  # on a cluster that already runs fusionserve: replace it instead of refusing
-    grpc_port: int | None = None  # Serve's gRPC ingress on this port (see serving/grpc_ingress.py)
+    grpc_port: int | None = None  # Serve's gRPC ingress on this port (see serving/api/grpc_ingress.py)
     ship_artifact: bool = False  # hand the artifact to Ray (runtime env working_dir), which copies it to every node
 
     def __init__(self, artifact: Path | str, **options: Any) -> None:
@@ -287,8 +287,8 @@ def stop() -> None:
 
 def serve_supervised(cfg: ServerConfig) -> None:
     """``serve_forever`` in a child process under this one (``supervise``: whatever ends either, nothing of the run
-    outlives them; see serving/supervise.py). Where it starts its own Ray, the child first execs itself afresh with the
-    loopback shim preloaded (serving/loopback.py), or says once why it cannot. For a process of its own (the
+    outlives them; see serving/process/supervise.py). Where it starts its own Ray, the child first execs itself afresh with the
+    loopback shim preloaded (serving/process/loopback.py), or says once why it cannot. For a process of its own (the
     ``fusionserve serve`` command): in the caller, this never returns."""
     folder = supervise()
     if not os.environ.get("RAY_ADDRESS"):

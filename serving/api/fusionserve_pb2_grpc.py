@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from fusionserve.serving import fusionserve_pb2 as fusionserve_dot_serving_dot_fusionserve__pb2
+from fusionserve.serving.api import fusionserve_pb2 as fusionserve_dot_serving_dot_api_dot_fusionserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in fusionserve/serving/fusionserve_pb2_grpc.py depends on'
+        + ' but the generated code in fusionserve/serving/api/fusionserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class ClassifierStub:
         """
         self.Classify = channel.unary_unary(
                 '/fusionserve.v1.Classifier/Classify',
-                request_serializer=fusionserve_dot_serving_dot_fusionserve__pb2.ClassifyRequest.SerializeToString,
-                response_deserializer=fusionserve_dot_serving_dot_fusionserve__pb2.ClassifyResponse.FromString,
+                request_serializer=fusionserve_dot_serving_dot_api_dot_fusionserve__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=fusionserve_dot_serving_dot_api_dot_fusionserve__pb2.ClassifyResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_ClassifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Classify': grpc.unary_unary_rpc_method_handler(
                     servicer.Classify,
-                    request_deserializer=fusionserve_dot_serving_dot_fusionserve__pb2.ClassifyRequest.FromString,
-                    response_serializer=fusionserve_dot_serving_dot_fusionserve__pb2.ClassifyResponse.SerializeToString,
+                    request_deserializer=fusionserve_dot_serving_dot_api_dot_fusionserve__pb2.ClassifyRequest.FromString,
+                    response_serializer=fusionserve_dot_serving_dot_api_dot_fusionserve__pb2.ClassifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class Classifier:
             request,
             target,
             '/fusionserve.v1.Classifier/Classify',
-            fusionserve_dot_serving_dot_fusionserve__pb2.ClassifyRequest.SerializeToString,
-            fusionserve_dot_serving_dot_fusionserve__pb2.ClassifyResponse.FromString,
+            fusionserve_dot_serving_dot_api_dot_fusionserve__pb2.ClassifyRequest.SerializeToString,
+            fusionserve_dot_serving_dot_api_dot_fusionserve__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

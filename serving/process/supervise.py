@@ -210,7 +210,7 @@ def supervise() -> Path:
 
 def resume_supervised() -> None:
     """In the server (the child): how it ends. Called by ``supervise``, and again by a server that exec'd itself
-    afresh since (serving/loopback.py), whose new interpreter has none of it. Registered before Ray's own exit hooks,
+    afresh since (serving/process/loopback.py), whose new interpreter has none of it. Registered before Ray's own exit hooks,
     so it runs after them: once Ray is shut down the server ends without C++'s static destructors, which raced Ray's
     native threads and spun forever in Ray's terminate handler (seen: a child stopped cleanly, then hung at 100% CPU
     until killed)."""

@@ -1,6 +1,6 @@
 """A live artifact's revisions: which tasks it serves now, and every set of tasks it served before.
 
-    tasks/<task>.<sha256[:12]>.npz      one task's tables (serving/tables.py); never changed once written
+    tasks/<task>.<sha256[:12]>.npz      one task's tables (serving/model/tables.py); never changed once written
     revisions/000007.json               revision 7: its tasks (index, kind, labels, adapters, file, sha256), the change
                                         that made it, the checks it passed, its parent
     revisions/CURRENT                   the revision served: "7"

@@ -1,4 +1,4 @@
-"""Classify over gRPC (Ray Serve's gRPC ingress, serving/fusionserve.proto): the message is turned into the same
+"""Classify over gRPC (Ray Serve's gRPC ingress, serving/api/fusionserve.proto): the message is turned into the same
 request model a JSON body is validated with and goes through the same ``Classifier``; a refusal becomes a gRPC
 status code, with the HTTP API's error type in the trailing metadata ``fusionserve-error-type``.
 

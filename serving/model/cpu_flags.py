@@ -1,7 +1,7 @@
 """What the CPU can do for int8: ONNX Runtime's uint8 x int8 kernels sum pairs of products in 16 bits on a CPU
 without VNNI (AVX2 only), which large uint8 values can saturate; with VNNI or AMX int8 the dot products are exact.
 The built-in model is served in int8 only on such CPUs (cli/default.py), and a server that loads an int8 artifact
-with per-row activation scales (export/rowwise.py, whose zero-point columns make large values certain) on a CPU
+with per-row activation scales (export/int8/rowwise.py, whose zero-point columns make large values certain) on a CPU
 without them says so once."""
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..model import FusionModel
+from ..validate import ParityError, grid_inputs, mixed_cases
 from .calibration import Calibration
-from .model import FusionModel
-from .validate import ParityError, grid_inputs, mixed_cases
 
 SMOOTH_TOLERANCE = 1e-5  # max |smoothed fp32 - original fp32| on any output, logits and fusion activations
 SCALE_BOUNDS = (1e-5, 1e5)  # s is clipped to these: a dead channel (max 0) must not divide by zero
@@ -77,7 +77,7 @@ def sites(graph: onnx.ModelProto, nodes: list[str]) -> list[Site]:
 def channel_max(path: Path, tensors: list[str], calibration: Calibration) -> dict[str, np.ndarray]:
     """Per tensor of ``tensors`` (each (batch, seq, C)), the largest |value| of each channel over the calibration rows'
     real tokens (padding excluded)."""
-    from fusionserve.serving.runtime import make_session
+    from fusionserve.serving.model.runtime import make_session
 
     graph = onnx.load(str(path))
     have = {o.name for o in graph.graph.output}
@@ -206,7 +206,7 @@ def smooth_checked(
 ) -> dict[str, Any]:
     """``smooth_graph``, then ``check_smoothed`` against the original's session ``fp32`` over the validation grid (the
     first task) and the batches mixing every task row by row; the record gets the max |diff|. Raises SmoothingError."""
-    from fusionserve.serving.runtime import make_session
+    from fusionserve.serving.model.runtime import make_session
 
     record = smooth_graph(src, dst, nodes, alpha, calibration)
     first = np.zeros(1, dtype=np.int64)

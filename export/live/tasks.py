@@ -9,7 +9,7 @@ checksums). Before a revision is published it passes two checks on the artifact'
   agreement and probability gate), alone over the shape grid and in batches mixing it with every other task;
 - every other task unchanged: a batch of all of them answers bit for bit as it did on the revision before.
 
-Then the task file, the revision document and last the pointer are written (``serving/revisions.py``), all under
+Then the task file, the revision document and last the pointer are written (``serving/model/revisions.py``), all under
 one lock: a refusal or a crash leaves the served revision as it was.
 """
 
@@ -25,18 +25,18 @@ import numpy as np
 import torch
 
 from fusionserve.errors import FusionServeError
-from fusionserve.serving import revisions
-from fusionserve.serving.artifact import Artifact, load_artifact, sha256
-from fusionserve.serving.runtime import make_session
-from fusionserve.serving.tables import TaskTables, check_slices, table_specs
+from fusionserve.serving.model import revisions
+from fusionserve.serving.model.artifact import Artifact, load_artifact, sha256
+from fusionserve.serving.model.runtime import make_session
+from fusionserve.serving.model.tables import TaskTables, check_slices, table_specs
 
-from .build import build_model
-from .checkpoint import load_fusion
-from .live import graph_tables, source_of, task_record, write_task_file
-from .model import FusionModel, HeadForm
-from .quantize import Int8Gate
-from .spec import ModelSpec, TaskSpec, load_spec
-from .validate import TOLERANCES, grid_inputs
+from ..build import build_model
+from ..checkpoint import load_fusion
+from ..int8.quantize import Int8Gate
+from ..model import FusionModel, HeadForm
+from ..spec import ModelSpec, TaskSpec, load_spec
+from ..validate import TOLERANCES, grid_inputs
+from .tables import graph_tables, source_of, task_record, write_task_file
 
 _FEEDS = ("input_ids", "attention_mask", "token_type_ids")
 MIXED_ROWS = 16  # rows of the batches that mix the new task with others, and of the unchanged tasks' check

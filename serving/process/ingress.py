@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fusionserve.errors import FusionServeError
 
-from . import options
+from .. import options
 from .haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
 
 INGRESSES = ("haproxy", "proxy")  # what `fusionserve serve --ingress` offers; the first is the default
@@ -166,7 +166,7 @@ def ingress_env(
     """``node_env(ingress)`` plus, for HAProxy, a private folder for its config, admin and metrics sockets and state files
     (default: a new temporary one) and free ports for its stats and Prometheus pages, so that two servers (or two
     Ray nodes) on one machine never share them, both bound to 127.0.0.1; and fusionserve's rules in its config
-    (serving/haproxy_rules.py: requests not complete within ``body_timeout_s`` get 408 and their connection closed,
+    (serving/process/haproxy_rules.py: requests not complete within ``body_timeout_s`` get 408 and their connection closed,
     JSON error pages).
 
     Raises FusionServeError for an unknown ingress."""
@@ -207,7 +207,7 @@ def ingress_env(
 
 
 def _haproxy_command() -> list[str] | None:
-    """How the launcher (serving/haproxy_rules.py) runs the HAProxy Serve would start: with a parent-death signal
+    """How the launcher (serving/process/haproxy_rules.py) runs the HAProxy Serve would start: with a parent-death signal
     (util-linux ``setpriv --pdeathsig``) where there is ``setpriv``. HAProxy is the child of Serve's HAProxy manager,
     and when the manager dies (its node's raylet gone, the server killed) HAProxy was left holding the port, answering
     500 to every request, until a person killed it. None where there is no HAProxy."""

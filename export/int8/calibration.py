@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import InputError
-from fusionserve.serving.predictions import TextInput
-from fusionserve.serving.tokenize import Encoder
+from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.tokenize import Encoder
 
-from .model import FusionModel
-from .validate import grid_inputs
+from ..model import FusionModel
+from ..validate import grid_inputs
 
 BATCH = 16  # calibration rows per forward pass
 MAX_ROWS = 4096  # a larger file is cut to its first MAX_ROWS rows: per-channel maxima settle long before

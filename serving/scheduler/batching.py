@@ -33,12 +33,12 @@ import numpy as np
 
 from fusionserve.errors import FusionServeError
 
-from .activations import token_means
-from .options import check_ranges, default
-from .predictions import TextInput
+from ..model.activations import token_means
+from ..model.predictions import TextInput
+from ..model.runtime import OnnxRunner, Served
+from ..model.tokenize import Tokens
+from ..options import check_ranges, default
 from .results import BatchStats, JobResult, TaskResult, shares
-from .runtime import OnnxRunner, Served
-from .tokenize import Tokens
 
 
 class Overloaded(FusionServeError):

@@ -13,8 +13,8 @@ import yaml
 
 from fusionserve import __version__
 
-from .artifact import MANIFEST, load_artifact, sha256
-from .builder import IMPORT_PATH, SERVICER, AppArgs, check_artifact
+from ..builder import IMPORT_PATH, SERVICER, AppArgs, check_artifact
+from ..model.artifact import MANIFEST, load_artifact, sha256
 from .ingress import node_env
 from .server import APP_NAME, ServerConfig
 

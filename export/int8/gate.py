@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .model import FusionModel
-from .validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs, mixed_cases
+from ..model import FusionModel
+from ..validate import BATCH_SIZES, SEQ_LENS, ParityError, grid_inputs, mixed_cases
 
 
 class Int8GateError(ParityError):

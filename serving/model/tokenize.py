@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from fusionserve.errors import FusionServeError
 
-from .options import CHARS_PER_TOKEN_BUDGET
+from ..options import CHARS_PER_TOKEN_BUDGET
 from .predictions import TextInput
 
 

@@ -5,7 +5,7 @@ only what all tasks share (backbone, adapter down-projections) and a task is a f
 The graph gathers each row's slice of every table by ``task_id``, exactly as the baked multi-task graph gathers its
 initializers; only where the tables come from changes. The tables' first axis is symbolic ("tasks"): a revision with
 more or fewer tasks feeds longer or shorter tables to the same graph, with no re-trace and no new session
-(``fusionserve tasks``, ``tasks.py``; serving side: ``serving/tables.py``, ``serving/revisions.py``).
+(``fusionserve tasks``, ``tasks.py``; serving side: ``serving/model/tables.py``, ``serving/model/revisions.py``).
 
 Heads are stacked too, so every head of a live artifact has one form (layers, activation, pooler:
 ``model.HeadForm``) and its labels are zero-padded to the artifact's logits width.
@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from fusionserve.errors import SpecError
-from fusionserve.serving import revisions
-from fusionserve.serving.artifact import sha256
-from fusionserve.serving.revisions import TASK_FILES
-from fusionserve.serving.tables import TABLE_PREFIX, save_slices, table_specs
+from fusionserve.serving.model import revisions
+from fusionserve.serving.model.artifact import sha256
+from fusionserve.serving.model.revisions import TASK_FILES
+from fusionserve.serving.model.tables import TABLE_PREFIX, save_slices, table_specs
 
-from .fusion import AdapterLayerBlock
-from .model import HEAD_TABLES, FusionModel
-from .spec import ModelSpec
+from ..fusion import AdapterLayerBlock
+from ..model import HEAD_TABLES, FusionModel
+from ..spec import ModelSpec
 
 
 def table_names(model: FusionModel) -> list[str]:

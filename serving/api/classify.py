@@ -16,12 +16,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .artifact import Artifact, TaskEntry
-from .batching import DeadlineExceeded, Overloaded, Scheduler, TaskResult, TooManyTokens
+from ..model.artifact import Artifact, TaskEntry
+from ..model.predictions import TextInput, label_logits, label_scores
+from ..model.tokenize import Encoder
+from ..scheduler.batching import DeadlineExceeded, Overloaded, Scheduler, TaskResult, TooManyTokens
 from .metrics import Metrics
-from .predictions import TextInput, label_logits, label_scores
 from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error, timeout_header
-from .tokenize import Encoder
 
 _NAMED = 5  # unknown task names an error names, at most
 log = logging.getLogger("ray.serve").getChild("fusionserve")  # in the replica log files, with Serve's own

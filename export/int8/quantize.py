@@ -35,7 +35,11 @@ from typing import Any
 
 import onnx
 
+from ..model import FusionModel
+from ..onnx_export import ExportError
 from .calibration import Calibration, FeedReader, calibration_inputs, with_types
+from .describe import ADAPTER_NODES, KEPT_FP32, QUANTIZED_OPS, describe
+from .gate import GateReport, Int8Gate, Int8GateError, check_int8
 from .gemm_roles import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,
@@ -47,10 +51,6 @@ from .gemm_roles import (
     ROLES,
     ROW_ROLES,
 )
-from .int8_describe import ADAPTER_NODES, KEPT_FP32, QUANTIZED_OPS, describe
-from .int8_gate import GateReport, Int8Gate, Int8GateError, check_int8
-from .model import FusionModel
-from .onnx_export import ExportError
 
 # re-exported: their homes are int8_describe and int8_gate
 __all__ = ["KEPT_FP32", "GateReport", "Int8Gate", "Int8GateError", "check_int8", "describe"]
@@ -287,11 +287,11 @@ def int8_graph(
     ExportError where the backbone GEMMs ``options`` leaves in fp32 cannot be found (``check_roles``)."""
     from tqdm import tqdm
 
-    from fusionserve.serving.artifact import MODEL_FILE
-    from fusionserve.serving.runtime import make_session
+    from fusionserve.serving.model.artifact import MODEL_FILE
+    from fusionserve.serving.model.runtime import make_session
 
+    from ..validate import count_cases
     from .smooth import smooth_checked
-    from .validate import count_cases
 
     src, dst = work / MODEL_FILE, work / "int8.onnx"
     backbone = (model.backbone.arch.name, model.backbone.n_layers)
