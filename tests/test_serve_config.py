@@ -214,7 +214,9 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(deployed):
         stop.set()
         for t in threads:
             t.join(40)
-    assert len(seen) == 2, seen  # both replicas answered
+    # both replicas answered; a third name is a replica Serve replaced meanwhile (seen once on a loaded machine:
+    # {'fqiyu8il': 14460, 'ddsl64l1': 834, '5vc7w40l': 620}), which is not what this test is about
+    assert len(seen) >= 2, seen
     down_s, _ = _wait_replicas(head.address, 1, 150)
     print(f"autoscaling: 1 -> 2 replicas {up_s:.0f} s into the load, back to 1 {down_s:.0f} s after it stopped; answers {seen}")
 
