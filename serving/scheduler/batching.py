@@ -38,7 +38,7 @@ from ..model.predictions import TextInput
 from ..model.runtime import OnnxRunner, Served
 from ..model.tokenize import Tokens
 from ..options import check_ranges, default
-from .results import BatchStats, JobResult, TaskResult, shares
+from .results import BatchSpan, BatchStats, JobResult, TaskResult, shares
 
 
 class Overloaded(FusionServeError):
@@ -100,6 +100,8 @@ class _Job:
     failed: bool = False
     dropped: bool = False  # deadline passed, or caller gone: its rows left the queue (or never joined it)
     enqueued: bool = False  # its rows joined the queue (tokenizing is over)
+    tokenized_s: float = 0.0
+    spans: list[BatchSpan] = field(default_factory=list)  # the batches it ran in
 
     def __post_init__(self) -> None:
         rows = self.n * len(self.tasks)
@@ -231,6 +233,7 @@ class Scheduler:
             job.loop.call_soon_threadsafe(_settle, failed)
             return
         rows = [_Row(job, k * job.n + i, task, t) for k, task in enumerate(job.tasks) for i, t in enumerate(tokens)]
+        job.tokenized_s = time.perf_counter()
         with self._lock:
             if job.dropped:  # its deadline passed, or its caller went away, while it was tokenized
                 return
@@ -251,8 +254,9 @@ class Scheduler:
                         self._lock.wait(self.limits.batch_wait_ms / 1000)  # a batch may wait this long to fill
                     rows = self._take()
                 if rows:
-                    logits, acts = self._run(rows)
-                    self._post(_delivered(rows, logits, acts))
+                    taken = time.perf_counter()
+                    logits, acts, span = self._run(rows)
+                    self._post(_delivered(rows, logits, acts, BatchSpan(taken, *span)))
             except Exception as exc:  # the runner (or the metrics) failed this batch: fail its requests, go on
                 self._post(_failed(rows, exc))
 
@@ -294,13 +298,15 @@ class Scheduler:
         if row.job.queued == 0:
             self._waiting -= 1
 
-    def _run(self, rows: list[_Row]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-        """One model call (in the model thread): per row, its logits and (fusion rows) its activation means."""
+    def _run(self, rows: list[_Row]) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple]:
+        """One model call (in the model thread): per row, its logits and (fusion rows) its activation means; and the
+        call's figures for traces (``BatchSpan``'s, from the model's start on)."""
         started = time.perf_counter()
         enc = self.runner.encoder.pad([r.tokens for r in rows])
         tasks = [r.task for r in rows]
         # fusion rows always report their activations
         out = self.runner.run_rows(tasks, enc, return_fusion_activations=True, served=rows[0].job.served)
+        ran = time.perf_counter()
         acts: list[np.ndarray | None] = []
         for k, a in enumerate(out.fusion_activations):  # a: (layers, seq, task adapters); seq may be its group's width
             if a is None:
@@ -308,24 +314,26 @@ class Scheduler:
                 continue
             mask = enc.attention_mask[k : k + 1, : a.shape[1]]  # padding is on the right: the row's tokens all stay
             acts.append(token_means(a[None], mask)[0])  # (layers, task adapters)
+        tokens = len(rows) * self.runner.padded_length(enc.input_ids.shape[1])
         if self.on_batch is not None:
             self.on_batch(
                 BatchStats(
-                    inputs=len(rows), requests=len({id(r.job) for r in rows}),
-                    tokens=len(rows) * self.runner.padded_length(enc.input_ids.shape[1]),
+                    inputs=len(rows), requests=len({id(r.job) for r in rows}), tokens=tokens,
                     model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
                     tasks=shares(tasks, acts, enc.truncated),
                 )
             )  # fmt: skip
-        return out.logits, acts
+        span = (started, ran, len(rows), tokens, tuple(dict.fromkeys(tasks)), rows[0].job.served.revision)
+        return out.logits, acts, span
 
 
 def _delivered(
-    rows: list[_Row], logits: list[np.ndarray], acts: list[np.ndarray | None]
+    rows: list[_Row], logits: list[np.ndarray], acts: list[np.ndarray | None], span: BatchSpan
 ) -> list[tuple[_Job, JobResult | BaseException]]:
     """Record a batch's rows in their requests; the requests it completed, with their results."""
     for job in {id(r.job): r.job for r in rows}.values():
         job.batches += 1
+        job.spans.append(span)
     done: list[tuple[_Job, JobResult | BaseException]] = []
     for k, row in enumerate(rows):
         job = row.job
@@ -363,4 +371,5 @@ def _result(job: _Job) -> JobResult:
         acts = None if job.acts[rows[0]] is None else np.stack([job.acts[i] for i in rows])  # type: ignore[misc]
         tasks[task] = TaskResult(logits, acts)
     started = job.started_s if job.started_s is not None else job.arrived_s
-    return JobResult(tasks, list(job.truncated), (started - job.arrived_s) * 1000, job.batches)
+    queue_ms = (started - job.arrived_s) * 1000
+    return JobResult(tasks, list(job.truncated), queue_ms, job.batches, job.arrived_s, job.tokenized_s, tuple(job.spans))
