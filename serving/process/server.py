@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -169,6 +171,8 @@ def _set_ray_env(cfg: ServerConfig, folder: Path) -> None:
     proxy's gRPC message limit. (What keeps them on loopback is in this process's environment from its start on:
     ``serve_supervised``.)"""
     os.environ.update(ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
+    if cfg.app.log_format == "json":  # each line written as it is logged (Serve's throughput settings buffer 1000)
+        os.environ["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] = "1"
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
@@ -325,7 +329,13 @@ def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
     after cleaning up."""
 
     def say(text: str) -> None:
-        print(f"fusionserve: {text}", file=sys.stderr, flush=True)
+        if cfg.app.log_format == "json":  # one JSON object a line, as the replicas' log lines
+            line = json.dumps(
+                {"asctime": time.strftime("%Y-%m-%d %H:%M:%S"), "levelname": "INFO", "name": "fusionserve", "message": text}
+            )
+        else:
+            line = f"fusionserve: {text}"
+        print(line, file=sys.stderr, flush=True)
 
     _on_signals(_interrupt)
     try:
