@@ -79,7 +79,7 @@ class _ClassifyFastPath:
 
 def _refusal(path: str, status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> Response:
     """A refusal in the shape of the route's protocol: the Open Inference Protocol's under /v2, fusionserve's elsewhere."""
-    if path == "/v2" or path.startswith("/v2/"):
+    if oip_http.is_oip_path(path):
         return oip_http.error(status, reason, message, headers)
     return _error(status, reason, message, headers)
 

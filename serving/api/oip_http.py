@@ -29,6 +29,11 @@ _INFER = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _replica: Any = None  # this process's replica (serving/api/app.py attaches it): what the routes answer from
 
 
+def is_oip_path(path: str) -> bool:
+    """Whether ``path`` is one of this protocol's (its refusals then have the protocol's shape)."""
+    return path == "/v2" or path.startswith(("/v2/models/", "/v2/health/")) or path in ("/v2/models", "/v2/health")
+
+
 def attach(replica: Any) -> None:
     """Make ``replica`` what the routes and the fast path answer from (see app.py's ``_serve_with``)."""
     global _replica
@@ -246,10 +251,9 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 router = APIRouter(tags=["Open Inference Protocol"])
 _MODEL_ERRORS = _errors(401, 404)
-_INFER_BODY = {
-    JSON: {"schema": {"$ref": "#/components/schemas/InferenceRequest"}},
-    BINARY: {"schema": {"type": "string", "format": "binary", "description": "the JSON header, then the inputs' bytes"}},
-}
+# the binary tensor data extension's body (the JSON header, then the inputs' bytes, as application/octet-stream or with
+# no Content-Type) is not described: no schema can say where its JSON ends (the Inference-Header-Content-Length header)
+_INFER_BODY = {JSON: {"schema": {"$ref": "#/components/schemas/InferenceRequest"}}}
 
 
 @router.get("/v2", response_model=ServerMetadata, responses=_errors(401))

@@ -42,7 +42,7 @@ def _hoist(node: Any, into: dict[str, Any]) -> Any:
         for name, spec in (node.pop("$defs", None) or {}).items():
             into.setdefault(name, _hoist(spec, into))
         return {
-            k: (_REFS + v.removeprefix("#/$defs/") if k == "$ref" and isinstance(v, str) else _hoist(v, into))
+            k: (_REFS + v.removeprefix("#/$defs/") if k == "$ref" and str(v).startswith("#/$defs/") else _hoist(v, into))
             for k, v in node.items()
         }
     if isinstance(node, list):

@@ -30,7 +30,8 @@ class PairInput(BaseModel):
 
 
 class ClassifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # exactly one of task and tasks, said in the schema too (for client generators and fuzzers)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [{"required": ["task"]}, {"required": ["tasks"]}]})
     task: TaskName | None = Field(None, description="a task of the served artifact (GET /v1/tasks); or give 'tasks'")
     tasks: list[TaskName] | None = Field(
         None,
