@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.oip import markdown as oip_markdown
+
 
 def _row(x: dict[str, Any]) -> str:
     return (
@@ -172,6 +174,8 @@ def markdown(r: dict[str, Any]) -> str:
             "| clients | requests | errors | lost | req/s | p50 (ms) | p95 (ms) | p99 (ms) | mean batch |",
         ]
         lines += ["|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *[_row(x) for x in v["rows"]]]
+        if "oip" in v:
+            lines += ["", *oip_markdown(v["oip"])]
     lines += ["", *_targets(r, next(iter(r["ingress"])))]
     if any("grpc_vs_http" in v for v in r["ingress"].values()):
         lines += ["", *_grpc(r)]
