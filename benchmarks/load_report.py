@@ -153,7 +153,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Command: `{r['command']}`",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores (server, clients and Ray share them); {m['python']}, onnxruntime {m['onnxruntime']}; "
-        f"{m['date']}. Task `{r['task']}` of `{r['artifact']}` on {r['device']}, {r['replicas']} replica(s), one real sentence per "
+        f"{m['date']}, load average {m.get('load_average', '-')} at the start. Task `{r['task']}` of `{r['artifact']}` on "
+        f"{r['device']}, {r['replicas']} replica(s), one real sentence per "
         f"request, {r['seconds']:.0f} s per row, keep-alive closed-loop clients.",
         "",
         *_comparison(r),
