@@ -211,3 +211,22 @@ def test_the_built_in_model_is_served_in_the_fastest_precision_that_passes_on_th
     code, out, err = _cli(capsys, "serve", "--device", "cpu", "--print-config")
     assert code == 0 and asked == ["bf16"] and str(arts[1]) in out
     assert err.splitlines()[0].startswith("fusionserve: the built-in model in bf16: this CPU has amx_bf16")
+
+
+@pytest.mark.slow
+def test_calibrate_on_a_bf16_artifact_then_prune_to_bf16(arts, built_st, stats, tmp_path, capsys):
+    """Fusion activations from the bf16 graph (calibrate), and a pruned export in bf16 that passes its own gate."""
+    _, bf16 = arts
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in SENTENCES))
+    code, _, err = _cli(capsys, "calibrate", bf16, "--task", "rte", "--input", src, "--output", tmp_path / "s.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "s.json").read_text())["tasks"]["rte"]
+    out = tmp_path / "pruned"
+    code, _, err = _cli(capsys, "prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--out", out, "--precision", "bf16",
+                        "--max-seq-len", MAX_SEQ_LEN)  # fmt: skip
+    assert code == 0, err
+    manifest = load_artifact(out).manifest
+    assert manifest["precision"] == "bf16" and "pruning" in manifest and manifest["bf16"]["gate"]["max_logit_change"] > 0
+    logits, _ = OnnxRunner(out, threads=1, device="cpu").logits("rte", [TextInput(t) for t in SENTENCES[:3]])
+    assert logits.shape == (3, 3) and np.isfinite(logits).all()
