@@ -68,7 +68,7 @@ def bf16_risk(manifest: dict[str, Any], inference_precision: str, cpuinfo: Path 
     how = (
         f"OpenVINO emulates bf16 here, about {BF16_EMULATED_SLOWDOWN:g}x the time of an fp32 export on ONNX Runtime"
         if inference_precision == "bf16"
-        else "OpenVINO runs it in fp32 here (it cannot emulate bf16 on this CPU), with answers that differ from the ones its export gated"
+        else "OpenVINO runs it in fp32 here (no AVX-512 to emulate bf16 with): fp32's answers at OpenVINO's fp32 speed"
     )
     return (
         f"this CPU has no bf16 units (none of {', '.join(BF16_FLAGS)}): {how} (docs/guides/int8.md); "
