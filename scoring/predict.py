@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -14,6 +14,10 @@ from fusionserve.serving.model.predictions import TextInput, label_scores
 from fusionserve.serving.model.runner import Runner
 
 from .inputs import batched
+
+# predict reads this many batches of inputs at a time and runs them in batches of similar token length, as `score`
+# does: less padding, and the batches the int8 benchmarks measure (docs/guides/int8.md, "int8 as a user meets it")
+WINDOW_BATCHES = 32
 
 
 def format_predictions(
@@ -34,6 +38,32 @@ def format_predictions(
     return out
 
 
+def predict_logits(
+    runner: Runner, task: str, inputs: Sequence[TextInput], batch_size: int, on_rows: Callable[[int], object] | None = None
+) -> tuple[np.ndarray, list[bool]]:
+    """(rows, labels) logits and truncation flags of ``inputs`` in input order, run in batches of ``batch_size`` texts of
+    similar token length (tokenized once, each batch padded to its own longest) where the runner takes encoded batches
+    (``ActivationRunner``), else in input order; ``on_rows`` is told each batch's size. Raises what the runner raises."""
+    encoder, run = getattr(runner, "encoder", None), getattr(runner, "run", None)
+    logits = np.zeros((len(inputs), len(runner.labels[task])), dtype=np.float32)
+    if encoder is None or run is None:
+        truncated: list[bool] = []
+        for i in range(0, len(inputs), batch_size):
+            logits[i : i + batch_size], cut = runner.logits(task, inputs[i : i + batch_size])
+            truncated += cut
+            if on_rows is not None:
+                on_rows(len(cut))
+        return logits, truncated
+    encoded = encoder.encode(inputs)
+    order = np.argsort(encoded.attention_mask.sum(axis=1), kind="stable")
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        logits[idx] = run(task, encoded.rows(idx)).logits  # (batch, labels)
+        if on_rows is not None:
+            on_rows(len(idx))
+    return logits, list(encoded.truncated)
+
+
 def predict(
     runner: Runner,
     task: str,
@@ -51,11 +81,11 @@ def predict(
         raise InputError(f"unknown task '{task}'; known tasks: {', '.join(labels)}")
     ok = failed = 0
     bar = tqdm(desc=f"predict {task}", unit="text", disable=not progress, file=sys.stderr)
-    for batch in batched(inputs, batch_size):
+    for batch in batched(inputs, batch_size * WINDOW_BATCHES):
         good = [(no, x) for no, x in batch if isinstance(x, TextInput)]
         rows: dict[int, dict[str, Any]] = {}
         if good:
-            logits, truncated = runner.logits(task, [x for _, x in good])
+            logits, truncated = predict_logits(runner, task, [x for _, x in good], batch_size, bar.update)
             for (no, _), row in zip(good, format_predictions(labels[task], logits, truncated, [x for _, x in good]), strict=True):
                 rows[no] = row
         for no, x in batch:
@@ -66,6 +96,6 @@ def predict(
             else:
                 ok += 1
             out.write(json.dumps(rows[no], ensure_ascii=False) + "\n")
-        bar.update(len(batch))
+        bar.update(len(batch) - len(good))
     bar.close()
     return ok, failed
