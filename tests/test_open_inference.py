@@ -464,6 +464,7 @@ def test_the_api_holds_to_its_description_under_schemathesis(server, tmp_path):
     st = st if st.exists() else Path(sys.executable).parent / "schemathesis"
     cmd = [str(st), "--config-file", str(config), "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {KEY}", "--checks", "all",
            "--exclude-checks", "positive_data_acceptance", "--max-examples", "15", "--seed", "36", "--no-color"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    # run in tmp_path: schemathesis keeps its cache (.schemathesis/) in the working directory, not in the checkout
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-6000:]
     assert "passed" in done.stdout and " failed" not in done.stdout.split("SUMMARY")[-1], done.stdout[-3000:]
