@@ -17,7 +17,7 @@ from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
 from fusionserve.serving.model.activations import stats_document
 from fusionserve.training import sources
-from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers, score_helpers
+from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
 from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 
@@ -69,22 +69,20 @@ def exported(built, tmp_path_factory) -> export_helpers.Exported:
 
 
 @pytest.fixture(scope="session")
-def artifacts(built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
-    """The tiny model exported once per precision: test_runtime.py and test_gpu.py."""
-    root = tmp_path_factory.mktemp("gpu")
-    for precision in ("fp32", "fp16"):
-        export_artifact(
-            built_st.spec, root / precision, precision=precision, max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False
-        )
-    return runtime_helpers.Artifacts(root / "fp32", root / "fp16")
+def artifact(built_st, tmp_path_factory) -> Path:
+    """The tiny model exported once (fp32, runtime_helpers.MAX_SEQ_LEN tokens) and only read: scoring, the runtime and
+    the servers of the end-to-end tests (one export where each serving module made its own copy)."""
+    out = tmp_path_factory.mktemp("artifact") / "art"
+    export_artifact(built_st.spec, out, max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")
-def artifact(built_st, tmp_path_factory) -> Path:
-    """The tiny model exported for scoring: test_score*.py."""
-    out = tmp_path_factory.mktemp("score") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=score_helpers.MAX_SEQ_LEN, progress=False)
-    return out
+def artifacts(artifact, built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
+    """The tiny model at each precision (fp32 is ``artifact``): test_runtime.py and test_gpu.py."""
+    fp16 = tmp_path_factory.mktemp("fp16") / "art"
+    export_artifact(built_st.spec, fp16, precision="fp16", max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False)
+    return runtime_helpers.Artifacts(artifact, fp16)
 
 
 # --- calibration statistics: test_calibrate_evaluate.py and test_prune.py ----------------------------------------

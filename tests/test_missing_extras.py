@@ -44,14 +44,11 @@ def _one_line(done: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def artifact_and_input(tmp_path_factory, built_st) -> tuple[Path, Path]:
-    from fusionserve.export.artifact import export_artifact
-
+def artifact_and_input(tmp_path_factory, artifact) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("extras")
-    export_artifact(built_st.spec, folder / "art", max_seq_len=32, progress=False)
     rows = folder / "in.jsonl"
     rows.write_text(json.dumps({"text": "a fine film"}) + "\n", encoding="utf-8")
-    return folder / "art", rows
+    return artifact, rows
 
 
 @pytest.mark.slow

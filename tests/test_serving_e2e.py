@@ -10,30 +10,21 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.model.predictions import TextInput, softmax
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
 from tests.serving_helpers import call, free_port
 
 pytestmark = pytest.mark.slow
 
-MAX_SEQ_LEN = 32
 MAX_INPUTS = 8
 MAX_BODY = 4096
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=MAX_SEQ_LEN, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")

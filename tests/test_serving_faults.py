@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.process.ingress import port_holder
 from tests.serving_helpers import (
     MARK_ENV,
@@ -33,13 +32,6 @@ pytestmark = pytest.mark.slow
 
 BOUND_S = 30  # the targets are 5 s (port free) and 10 s (stopped, nothing left); room for a loaded 2-core machine
 TEXT = {"task": "rte", "inputs": ["a fine film"]}
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
-    return out
 
 
 @pytest.fixture

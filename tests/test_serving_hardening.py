@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.options import MAX_ERROR_CHARS
 from tests.serving_helpers import (
     MARK_ENV,
@@ -35,13 +34,6 @@ pytestmark = pytest.mark.slow
 
 BODY_TIMEOUT_S = 2
 STOP_BOUND_S = 30  # SIGTERM to no process left (the target is 10 s; room for a loaded machine)
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hardening") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
