@@ -16,24 +16,20 @@ from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from fusionserve.serving.options import CHARS_PER_TOKEN_BUDGET, MAX_ERROR_CHARS, MAX_TASK_NAME_CHARS
 from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
-from tests.serving_helpers import call, descendants, free_port, launch, mutations, stop
+from tests.serving_helpers import call, descendants, mutations
 
 pytestmark = pytest.mark.slow
 METADATA = (("application", "fusionserve"),)
 METHOD = "/fusionserve.v1.Classifier/Classify"
 
 
-@pytest.fixture(scope="module")
-def server(artifact, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("limits")
-    grpc_port = free_port()
-    served = launch(artifact, folder / "server.log", "--grpc-port", str(grpc_port), "--threads", "1")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.max_send_message_length", -1)])
-    served.stub = pb_grpc.ClassifierStub(channel)
-    served.raw = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=pb.ClassifyResponse.FromString)
-    yield served
-    channel.close()
-    stop(served)
+@pytest.fixture
+def server(shared_server):
+    """The server shared with other modules (conftest.py), with gRPC stubs on its gRPC port."""
+    with grpc.insecure_channel(f"127.0.0.1:{shared_server.grpc_port}", options=[("grpc.max_send_message_length", -1)]) as ch:
+        shared_server.stub = pb_grpc.ClassifierStub(ch)
+        shared_server.raw = ch.unary_unary(METHOD, request_serializer=None, response_deserializer=pb.ClassifyResponse.FromString)
+        yield shared_server
 
 
 def _refused(send, request) -> grpc.RpcError:
