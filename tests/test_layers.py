@@ -87,6 +87,7 @@ def _part(module: str) -> int:
     raise AssertionError(f"{module} belongs to no part of serving/: {SERVING_PARTS}")
 
 
+@pytest.mark.slow
 def test_serving_parts_import_downwards():
     modules = [m for m in _graph() if m.startswith(SERVING + ".")]
     assert {SERVING_PARTS[_part(m)] for m in modules} == set(SERVING_PARTS)  # every part was found

@@ -180,6 +180,7 @@ def test_every_refusal_exits_2_naming_the_problem_and_leaves_the_revision_served
     assert code == 2 and "no task 'nope' to remove" in err and _state(art) == state
 
 
+@pytest.mark.slow
 def test_a_second_tasks_command_is_refused_while_one_holds_the_lock(live, tmp_path, capsys):
     art = live.copy(tmp_path / "art")
     state = _state(art)
