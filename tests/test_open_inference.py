@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.api import grpc_predict_v2_pb2 as v2
 from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
 from fusionserve.serving.api.grpc_status import ERROR_TYPE_KEY
@@ -35,13 +34,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = {"authorization": f"Bearer {KEY}"}
 MAX_BODY = 8192
 TEXTS = [SENTENCES[0], SENTENCES[2], SENTENCES[4]]
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("oip") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")

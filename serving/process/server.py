@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -35,6 +33,7 @@ from .supervise import (
     reap_stale,
     record,
     resume_supervised,
+    status_line,
     supervise,
     supervise_end,
 )
@@ -332,13 +331,7 @@ def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
     after cleaning up."""
 
     def say(text: str) -> None:
-        if cfg.app.log_format == "json":  # one JSON object a line, as the replicas' log lines
-            line = json.dumps(
-                {"asctime": time.strftime("%Y-%m-%d %H:%M:%S"), "levelname": "INFO", "name": "fusionserve", "message": text}
-            )
-        else:
-            line = f"fusionserve: {text}"
-        print(line, file=sys.stderr, flush=True)
+        print(status_line(text, cfg.app.log_format), file=sys.stderr, flush=True)
 
     _on_signals(_interrupt)
     try:
