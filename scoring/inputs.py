@@ -1,6 +1,7 @@
 """Inputs read from JSON lines files (``predict --input``, ``calibrate``, ``evaluate``): one object per line,
-``{"text": ..., "text_pair": ..., "id": ..., "label": ...}``; a bad line becomes the InputError that says why, and
-the rest go on."""
+``{"text": ..., "text_pair": ..., "id": ..., "label": ...}`` (``predict`` also reads ``{"text", "choices"}`` and
+``{"question", "context"}``, the inputs of multiple-choice and question-answering tasks); a bad line becomes the
+InputError that says why, and the rest go on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fusionserve.errors import InputError
-from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.predictions import Input, TextInput, read_input
 
 from .files import MAX_ROW_BYTES, lines, not_utf8, open_input, too_long
 
@@ -61,16 +62,16 @@ def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
-def read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, TextInput | InputError]]:
-    """(line number, input or the error that line has); blank lines are skipped. Raises InputError, now, if the file
-    is unreadable."""
+def read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Input | InputError]]:
+    """(line number, input of any shape, or the error that line has); blank lines are skipped. Raises InputError,
+    now, if the file is unreadable."""
     return _inputs(_json_lines(path, max_row_bytes))
 
 
-def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, TextInput | InputError]]:
+def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Input | InputError]]:
     for no, obj in objects:
         try:
-            yield no, obj if isinstance(obj, InputError) else TextInput.from_json(obj)
+            yield no, obj if isinstance(obj, InputError) else read_input(obj)
         except InputError as exc:
             yield no, exc
 

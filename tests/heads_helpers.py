@@ -1,0 +1,82 @@
+"""Shared by the tests of heads beyond classification (test_heads_*.py): the tiny model of adapterhub_models with more
+heads added and saved by the real AdapterHub library, exported; AdapterHub's own answers for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from fusionserve.export.artifact import export_artifact
+from tests.adapterhub_models import Built, build
+
+MAX_SEQ_LEN = 32
+# task -> (head kind, how it runs: fusion over adapters / one adapter, the adapters)
+HEAD_TASKS = {
+    "sts": ("regression", "fusion", ["gamma", "beta", "alpha"]),  # the last adapter acts in every layer (beta skips one)
+    "sick": ("regression", "adapter", ["gamma"]),
+}
+
+
+@dataclass
+class HeadsModel:
+    built: Built
+    spec: Path
+    artifact: Path
+
+    def reference(self, task: str, texts: list, **encode: object) -> np.ndarray:
+        """AdapterHub's own logits for ``task`` (one of HEAD_TASKS) on ``texts`` (strings or (text, pair) tuples)."""
+        from adapters.composition import Fuse
+
+        _, how, names = HEAD_TASKS[task]
+        model, tok = self.built.reference, self.built.tokenizer
+        model.set_active_adapters(Fuse(*names) if how == "fusion" else names[0])
+        model.active_head = task
+        for layer in model.bert.encoder.layer:  # the library anneals T even in eval; a trained model sits at 1
+            for fusion in layer.output.adapter_fusion_layer.values():
+                fusion.T = 1.0
+        rows = []
+        for t in texts:  # one at a time: a batch would pair every text or none
+            args = (t,) if isinstance(t, str) else tuple(t)
+            batch = tok(*args, truncation=True, max_length=MAX_SEQ_LEN, return_tensors="pt", **encode)
+            with torch.no_grad():
+                rows.append(model(**batch).logits.numpy()[0])
+        return np.stack(rows)
+
+
+def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
+    """The tiny AdapterHub model (adapterhub_models.build) with HEAD_TASKS' heads added, perturbed, saved by the library,
+    named in the spec, and the whole spec exported (fp32; ``live``: as a live artifact)."""
+    from adapters.composition import Fuse
+
+    root.mkdir(parents=True, exist_ok=True)
+    built = build(root, safetensors=True, seed=seed)
+    model = built.reference
+    spec = yaml.safe_load((root / "model.yaml").read_text())
+    gen = torch.Generator().manual_seed(seed + 7)
+    for task, (kind, how, names) in HEAD_TASKS.items():
+        if kind == "regression":
+            model.add_classification_head(task, num_labels=1)
+        fused = ",".join(names)
+        if how == "fusion" and fused not in model.bert.encoder.layer[0].output.adapter_fusion_layer:
+            model.add_adapter_fusion(Fuse(*names), config="dynamic")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith(f"heads.{task}.") or (how == "fusion" and f"adapter_fusion_layer.{fused}." in name):
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+        model.save_head(str(root / "heads" / task), task)
+        entry = {"head": f"heads/{task}"}
+        if how == "fusion":
+            model.save_adapter_fusion(str(root / "fusions" / task), ",".join(names))
+            entry["fusion"] = f"fusions/{task}"
+        else:
+            entry["adapter"] = names[0]
+        spec["tasks"][task] = entry
+    model.eval()
+    (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    artifact = root / "artifact"
+    export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live)
+    return HeadsModel(built, root / "model.yaml", artifact)

@@ -1,0 +1,92 @@
+"""Heads beyond classification in files: ``fusionserve predict`` and ``score`` (JSONL, CSV, Parquet) on the tiny
+model with heads saved by the real AdapterHub library. A regression task writes its value, AdapterHub's (it wrote
+"LABEL_0" and a probability of 1.0 before); a row a task's head cannot read is one line of the side file and the job
+goes on; an option no task reads stops the job at once with one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from fusionserve.cli.main import main
+from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.heads_helpers import HeadsModel, build_heads
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory) -> HeadsModel:
+    return build_heads(tmp_path_factory.mktemp("heads-files"))
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_predict_writes_a_regression_tasks_value(heads, tmp_path, capsys):
+    rows = [{"text": SENTENCES[0], "id": "a"}, {"text": PAIRS[1][0], "text_pair": PAIRS[1][1]}, {"text": SENTENCES[3]}]
+    src, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert main(["predict", str(heads.artifact), "--task", "sts", "--input", str(src), "--output", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["id"] == "a" and [set(x) - {"id"} for x in lines] == [{"score"}] * 3, lines
+    want = heads.reference("sts", [SENTENCES[0], PAIRS[1], SENTENCES[3]])[:, 0]
+    np.testing.assert_allclose([x["score"] for x in lines], want, atol=TOL, rtol=0)
+    assert main(["predict", str(heads.artifact), "--task", "sick", "--text", SENTENCES[1]]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["score"] == pytest.approx(float(heads.reference("sick", [SENTENCES[1]])[0, 0]), abs=TOL)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_score_adds_a_regression_tasks_value_beside_a_classification_tasks_label(heads, tmp_path, fmt):
+    texts = SENTENCES * 2
+    src = tmp_path / "in.csv"
+    with src.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["text"])
+        w.writerows([t] for t in texts)
+    out = tmp_path / f"out.{fmt}"
+    argv = ["score", str(heads.artifact), "--task", "sts", "--task", "rte", "--input", str(src), "--output", str(out)]
+    assert main([*argv, "--all-scores"]) == 0
+    if fmt == "parquet":
+        got = pq.read_table(out).to_pylist()
+    elif fmt == "csv":
+        got = list(csv.DictReader(out.open()))
+    else:
+        got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert list(got[0]) == [
+        "text",
+        "sts_score",
+        "rte_label",
+        "rte_score",
+        *(f"rte_score_{x}" for x in ("entailment", "neutral", "contradiction")),
+    ]
+    np.testing.assert_allclose([float(r["sts_score"]) for r in got], heads.reference("sts", texts)[:, 0], atol=TOL, rtol=0)
+
+
+def test_options_no_task_reads_stop_the_job_in_one_line(heads, tmp_path, capsys):
+    src = _jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    for extra, says in [
+        (["--aggregation-strategy", "simple"], "--aggregation-strategy applies to tagging tasks only; 'sts' is regression"),
+        (["--aggregation-strategy", "most"], "--aggregation-strategy 'most' is not known; allowed: none, simple"),
+        (["--top-k", "0"], "--top-k must be a whole number 1..100, got 0"),
+    ]:
+        for command in (["score", "--output", str(tmp_path / "o.jsonl")], ["predict"]):
+            code = main([command[0], str(heads.artifact), "--task", "sts", "--input", str(src), *command[1:], *extra])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert code == 2 and len(err) == 1 and says in err[0], (command, err)
+
+
+def test_rows_a_regression_task_cannot_read_are_reported_and_the_rest_scored(heads, tmp_path, capsys):
+    rows = [{"text": "good"}, {"text": "a", "choices": ["x", "y"]}, {"question": "q", "context": "c"}, {"text": "fine"}]
+    src, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert main(["predict", str(heads.artifact), "--task", "sts", "--input", str(src), "--output", str(out)]) == 1
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [("score" in x, x.get("line")) for x in lines] == [(True, None), (False, 2), (False, 3), (True, None)]
+    assert "task 'sts' is regression: an input is" in lines[1]["error"]
