@@ -27,7 +27,7 @@ class LabelledInput:
     label: str | None
 
 
-def _json_lines(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
+def json_lines(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object or the InputError of that line); blank lines are skipped. The file is opened
     now: raises InputError when it is missing, a folder, unreadable or not UTF-8 text (``files.open_input``)."""
     handle = open_input(path)
@@ -65,7 +65,7 @@ def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
 def read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Input | InputError]]:
     """(line number, input of any shape, or the error that line has); blank lines are skipped. Raises InputError,
     now, if the file is unreadable."""
-    return _inputs(_json_lines(path, max_row_bytes))
+    return _inputs(json_lines(path, max_row_bytes))
 
 
 def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Input | InputError]]:
@@ -78,7 +78,7 @@ def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Input | I
 
 def read_labelled_jsonl(path: Path, require_label: bool) -> Iterator[tuple[int, LabelledInput | InputError]]:
     """Like ``read_jsonl``, lines may also carry ``"label"``: a string, required when ``require_label``."""
-    return _labelled(_json_lines(path), require_label)
+    return _labelled(json_lines(path), require_label)
 
 
 def _labelled(objects: Iterator[tuple[int, Any]], require_label: bool) -> Iterator[tuple[int, LabelledInput | InputError]]:

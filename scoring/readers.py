@@ -253,8 +253,8 @@ class InputFields:
             choices = _choices(record, self.choices)
             try:
                 return ChoiceInput(_string(record, self.text), tuple(choices))
-            except InputError as exc:
-                raise InputError(f"field '{self.choices}': {exc}" if "'choices" in str(exc) else str(exc)) from None
+            except InputError as exc:  # named as the row names it: 'choices' -> the field's own name
+                raise InputError(str(exc).replace("'choices", f"field '{self.choices}", 1)) from None
         if shape is QAInput:
             return QAInput(_string(record, self.question), _string(record, self.context))
         return TextInput(_string(record, self.text), None if self.pair is None else _string(record, self.pair))

@@ -18,7 +18,9 @@ MAX_SEQ_LEN = 32
 HEAD_TASKS = {
     "sts": ("regression", "fusion", ["gamma", "beta", "alpha"]),  # the last adapter acts in every layer (beta skips one)
     "sick": ("regression", "adapter", ["gamma"]),
+    "swag": ("multiple_choice", "fusion", ["gamma", "beta", "alpha"]),
 }
+NUM_CHOICES = 3  # the multiple-choice head's trained count
 
 
 @dataclass
@@ -28,7 +30,8 @@ class HeadsModel:
     artifact: Path
 
     def reference(self, task: str, texts: list, **encode: object) -> np.ndarray:
-        """AdapterHub's own logits for ``task`` (one of HEAD_TASKS) on ``texts`` (strings or (text, pair) tuples)."""
+        """AdapterHub's own logits for ``task`` (one of HEAD_TASKS) on ``texts`` (strings or (text, pair) tuples);
+        a multiple-choice task's per (context, choice) pair, each pair one row."""
         from adapters.composition import Fuse
 
         _, how, names = HEAD_TASKS[task]
@@ -38,6 +41,14 @@ class HeadsModel:
         for layer in model.bert.encoder.layer:  # the library anneals T even in eval; a trained model sits at 1
             for fusion in layer.output.adapter_fusion_layer.values():
                 fusion.T = 1.0
+        if HEAD_TASKS[task][0] == "multiple_choice":  # texts: (context, choices) with NUM_CHOICES choices each
+            out = []
+            for context, choices in texts:
+                batch = tok([context] * len(choices), list(choices), padding=True, truncation=True, max_length=MAX_SEQ_LEN,
+                            return_tensors="pt")  # fmt: skip
+                with torch.no_grad():  # AdapterHub's input for multiple choice: (batch, choices, seq)
+                    out.append(model(**{k: v[None] for k, v in batch.items()}).logits.numpy()[0])
+            return np.stack(out)
         rows = []
         for t in texts:  # one at a time: a batch would pair every text or none
             args = (t,) if isinstance(t, str) else tuple(t)
@@ -60,15 +71,18 @@ def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
     for task, (kind, how, names) in HEAD_TASKS.items():
         if kind == "regression":
             model.add_classification_head(task, num_labels=1)
+        elif kind == "multiple_choice":
+            model.add_multiple_choice_head(task, num_choices=NUM_CHOICES)
         fused = ",".join(names)
-        if how == "fusion" and fused not in model.bert.encoder.layer[0].output.adapter_fusion_layer:
+        new = how == "fusion" and fused not in model.bert.encoder.layer[0].output.adapter_fusion_layer
+        if new:  # tasks may share a fusion: it is added (and perturbed) once
             model.add_adapter_fusion(Fuse(*names), config="dynamic")
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.startswith(f"heads.{task}.") or (how == "fusion" and f"adapter_fusion_layer.{fused}." in name):
+                if name.startswith(f"heads.{task}.") or (new and f"adapter_fusion_layer.{fused}." in name):
                     p.add_(torch.randn(p.shape, generator=gen) * 0.3)
         model.save_head(str(root / "heads" / task), task)
-        entry = {"head": f"heads/{task}"}
+        entry = {"head": f"heads/{task}" if kind != "multiple_choice" else _one_label_copy(root / "heads" / task)}
         if how == "fusion":
             model.save_adapter_fusion(str(root / "fusions" / task), ",".join(names))
             entry["fusion"] = f"fusions/{task}"
@@ -79,4 +93,36 @@ def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
     (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     artifact = root / "artifact"
     export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live)
+    _mark_multiple_choice(artifact)
     return HeadsModel(built, root / "model.yaml", artifact)
+
+
+# --- until heads-export reads multiple-choice heads: the head's weights as a one-label classification head (the same
+# layers: AdapterHub builds a multiple-choice head as a classification head with one output), marked as the contract's
+# manifest marks a multiple-choice task
+
+
+def _one_label_copy(folder: Path) -> str:
+    import json
+    import shutil
+
+    copy = folder.with_name(folder.name + "_as_one_label")
+    shutil.copytree(folder, copy)
+    data = json.loads((copy / "head_config.json").read_text())
+    cfg = data["config"]
+    cfg.pop("num_choices")
+    cfg.update(head_type="classification", num_labels=1, label2id=None)
+    (copy / "head_config.json").write_text(json.dumps(data))
+    return f"heads/{copy.name}"
+
+
+def _mark_multiple_choice(artifact: Path) -> None:
+    import json
+
+    from fusionserve.serving.model.artifact import MANIFEST, write_manifest
+
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    for task, (kind, _, _) in HEAD_TASKS.items():
+        if kind == "multiple_choice" and "head" not in manifest["tasks"][task]:
+            manifest["tasks"][task].update(head="multiple_choice", labels=["choice"], num_choices=NUM_CHOICES)
+    write_manifest(artifact, manifest)

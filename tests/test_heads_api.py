@@ -70,30 +70,38 @@ def test_grpc_carries_the_value_in_score_with_no_label(core, heads):
     assert reply.predictions[0].score == pytest.approx(float(heads.reference("sts", [SENTENCES[2]])[0, 0]), abs=TOL)
 
 
-@pytest.mark.parametrize(
-    "body, status, kind, says",
-    [
-        ({"task": "sts", "inputs": [{"text": "a", "choices": ["x", "y"]}]}, 422, "invalid_input", "task 'sts' is regression"),
-        ({"task": "rte", "inputs": [{"question": "who", "context": "the cat"}]}, 422, "invalid_input", "this one is a question"),
-        (
-            {"task": "rte", "inputs": [{"text": "a", "choices": ["x"]}]},
-            422,
-            "invalid_input",
-            "holds 1 choice; a multiple-choice input needs 2 to 64",
-        ),
-        ({"task": "rte", "inputs": [{"question": "who"}]}, 422, "invalid_input", "missing field 'context'"),
-        (
-            {"task": "rte", "inputs": ["a"], "aggregation_strategy": "simple"},
-            422,
-            "invalid_option",
-            "applies to tagging tasks only",
-        ),
-        ({"task": "rte", "inputs": ["a"], "aggregation_strategy": "biggest"}, 422, "invalid_option", "allowed: none, simple"),
-        ({"task": "sts", "inputs": ["a"], "top_k": 2}, 422, "invalid_option", "top_k applies to question_answering tasks"),
-        ({"task": "rte", "inputs": ["a"], "doc_stride": -1}, 422, "invalid_option", "doc_stride must be a whole number"),
-        ({"task": "rte", "inputs": [{"text": "a", "choices": ["x", "y"]}] * 9}, 413, "too_many_inputs", "making 18 rows"),
-    ],
-)
+MC = {"text": "a", "choices": ["x", "y"]}
+REFUSED = {  # what is sent -> (status, error type, what the message says)
+    "choices for regression": ({"task": "sts", "inputs": [MC]}, 422, "invalid_input", "task 'sts' is regression"),
+    "question for classification": (
+        {"task": "rte", "inputs": [{"question": "who", "context": "the cat"}]}, 422, "invalid_input", "this one is a question",
+    ),
+    "one choice": (
+        {"task": "swag", "inputs": [{"text": "a", "choices": ["x"]}]}, 422, "invalid_input",
+        "inputs[0]: 'choices' holds 1 choice; a multiple-choice input needs 2 to 64",
+    ),
+    "no choices": (
+        {"task": "swag", "inputs": [MC] * 7 + ["a context"]}, 422, "invalid_input",
+        "inputs[7]: task 'swag' is multiple_choice: an input is {\"text\": context, \"choices\": [...]}; this one is a text "
+        "or a pair, without 'choices'",
+    ),
+    "choices for a second task": ({"tasks": ["swag", "rte"], "inputs": [MC]}, 422, "invalid_input", "task 'rte' is classification"),
+    "no context": ({"task": "rte", "inputs": [{"question": "who"}]}, 422, "invalid_input", "missing field 'context'"),
+    "strategy without tagging": (
+        {"task": "swag", "inputs": [MC], "aggregation_strategy": "simple"}, 422, "invalid_option",
+        "aggregation_strategy applies to tagging tasks only; 'swag' is multiple_choice",
+    ),
+    "unknown strategy": (
+        {"task": "rte", "inputs": ["a"], "aggregation_strategy": "biggest"}, 422, "invalid_option",
+        "aggregation_strategy 'biggest' is not known; allowed: none, simple, first, average, max",
+    ),
+    "top_k without QA": ({"task": "sts", "inputs": ["a"], "top_k": 2}, 422, "invalid_option", "top_k applies to question_answering"),
+    "bad stride": ({"task": "rte", "inputs": ["a"], "doc_stride": -1}, 422, "invalid_option", "doc_stride must be a whole number"),
+    "rows over the limit": ({"task": "swag", "inputs": [MC] * 9}, 413, "too_many_inputs", "making 18 rows"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("body, status, kind, says", REFUSED.values(), ids=REFUSED.keys())
 def test_inputs_and_options_a_head_cannot_take_are_refused_by_name(core, body, status, kind, says):
     for fields in (body, request_fields(_message(body))):
         out = _classify(core, fields)
@@ -129,3 +137,34 @@ def _message(body: dict) -> pb.ClassifyRequest:
     if options.get("doc_stride", 0) < 0:  # uint32 on the wire: a negative stride cannot be sent; the largest can
         options["doc_stride"] = 2**32 - 1
     return pb.ClassifyRequest(inputs=inputs, **options)
+
+
+def test_a_multiple_choice_head_softmaxes_over_any_number_of_choices(core, heads):
+    context = SENTENCES[1]
+    three = ["the cat sat", "a good film", "it is boring"]
+    want = heads.reference("swag", [(context, three)])[0]  # AdapterHub's MultipleChoiceHead: (1, 3)
+    out = _classify(core, {"task": "swag", "inputs": [{"text": context, "choices": three}]})
+    pred = out["predictions"][0]
+    assert set(pred) == {"label", "choice", "scores", "truncated"} and pred["choice"] == int(np.argmax(want)), pred
+    assert pred["label"] == three[pred["choice"]]
+    np.testing.assert_allclose(pred["scores"], np.exp(want) / np.exp(want).sum(), atol=TOL)
+    raw = _classify(core, {"task": "swag", "inputs": [{"text": context, "choices": three}], "raw_scores": True})
+    np.testing.assert_allclose(raw["predictions"][0]["scores"], want, atol=TOL)
+    # 2 and 5 choices (the head was trained with 3): each choice's logit is its pair's, whatever the others
+    more = [*three, "the dog", "a mat"]
+    for choices in (three[:2], more):
+        got = _classify(core, {"task": "swag", "inputs": [{"text": context, "choices": choices}], "raw_scores": True})
+        logits = got["predictions"][0]["scores"]
+        np.testing.assert_allclose(logits[: min(3, len(choices))], want[: len(choices)], atol=TOL)
+    two = _classify(core, {"task": "swag", "inputs": [{"text": context, "choices": more[3:]}], "raw_scores": True})
+    np.testing.assert_allclose(two["predictions"][0]["scores"], logits[3:], atol=TOL)
+
+
+def test_multiple_choice_over_grpc(core, heads):
+    three = ["the cat sat", "a good film", "it is boring"]
+    msg = pb.ClassifyRequest(task="swag", inputs=[pb.Input(text=SENTENCES[0], choices=three)])
+    reply = response_message(_classify(core, request_fields(msg)))
+    want = heads.reference("swag", [(SENTENCES[0], three)])[0]
+    p = reply.predictions[0]
+    assert p.choice == int(np.argmax(want)) and p.label == three[p.choice] and list(reply.labels) == []
+    np.testing.assert_allclose(list(p.scores), np.exp(want) / np.exp(want).sum(), atol=TOL)

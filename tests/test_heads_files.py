@@ -90,3 +90,75 @@ def test_rows_a_regression_task_cannot_read_are_reported_and_the_rest_scored(hea
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [("score" in x, x.get("line")) for x in lines] == [(True, None), (False, 2), (False, 3), (True, None)]
     assert "task 'sts' is regression: an input is" in lines[1]["error"]
+
+
+THREE = ["the cat sat", "a good film", "it is boring"]
+
+
+def test_predict_writes_a_multiple_choice_tasks_choice(heads, tmp_path, capsys):
+    rows = [
+        {"text": SENTENCES[0], "choices": THREE, "id": 1},
+        {"text": SENTENCES[1], "choices": ["only"]},
+        {"text": "no choices"},
+    ]
+    src, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert main(["predict", str(heads.artifact), "--task", "swag", "--input", str(src), "--output", str(out)]) == 1
+    first, one, none = (json.loads(line) for line in out.read_text().splitlines())
+    want = heads.reference("swag", [(SENTENCES[0], THREE)])[0]
+    assert first["id"] == 1 and first["choice"] == int(np.argmax(want)) and first["label"] == THREE[first["choice"]]
+    np.testing.assert_allclose(first["logits"], want, atol=TOL)
+    assert one == {"line": 2, "error": "'choices' holds 1 choice; a multiple-choice input needs 2 to 64"}
+    assert none["line"] == 3 and "task 'swag' is multiple_choice" in none["error"] and "without 'choices'" in none["error"]
+    argv = [
+        "predict",
+        str(heads.artifact),
+        "--task",
+        "swag",
+        "--text",
+        SENTENCES[0],
+        *(x for c in THREE for x in ("--choice", c)),
+    ]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["choice"] == first["choice"]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_score_reads_choices_from_a_column_and_reports_rows_without_them(heads, tmp_path, fmt):
+    good = {"text": SENTENCES[0], "choices": THREE}
+    rows = [good, {"text": SENTENCES[1], "choices": ["one"]}, {"text": SENTENCES[2], "choices": None}, good]
+    out = tmp_path / f"out.{fmt}"
+    if fmt == "csv":
+        src = tmp_path / "in.csv"
+        with src.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["text", "options"])
+            w.writerows([r["text"], "" if r["choices"] is None else json.dumps(r["choices"])] for r in rows)
+    else:
+        import pyarrow as pa
+
+        src = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"text": [r["text"] for r in rows], "options": [r["choices"] for r in rows]}), src)
+    argv = [
+        "score",
+        str(heads.artifact),
+        "--task",
+        "swag",
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--choices-field",
+        "options",
+    ]
+    assert main([*argv, "--all-scores"]) == 1  # bad rows: exit 1, the rest scored
+    got = pq.read_table(out).to_pylist() if fmt == "parquet" else list(csv.DictReader(out.open()))
+    want = heads.reference("swag", [(SENTENCES[0], THREE)])[0]
+    assert len(got) == 2 and [int(r["choice"]) for r in got] == [int(np.argmax(want))] * 2
+    scores = got[0]["scores"] if fmt == "parquet" else json.loads(got[0]["scores"])
+    np.testing.assert_allclose(scores, np.exp(want) / np.exp(want).sum(), atol=TOL)
+    errors = [json.loads(line) for line in (tmp_path / f"out.{fmt}.errors.jsonl").read_text().splitlines()]
+    if fmt == "csv":  # an empty cell is an empty string
+        assert errors[1]["error"].startswith("field 'options' must be a list of texts (in CSV: a JSON array")
+    else:
+        assert errors[1]["error"] == "missing field 'options': a multiple-choice task reads its choices there"
+    assert [e["row"] for e in errors] == [2, 3] and errors[0]["error"].startswith("field 'options' holds 1 choice; a multiple")

@@ -41,6 +41,9 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+TOKEN_HEADS = ("tagging", "question_answering")  # heads over every token's final state: the graph's token_logits
+
+
 @dataclass(frozen=True)
 class TaskEntry:
     name: str
@@ -49,6 +52,19 @@ class TaskEntry:
     labels: tuple[str, ...]
     adapters: tuple[str, ...]  # fusion: in the fusion's order
     adapters_per_layer: tuple[tuple[str, ...], ...] = ()  # per layer, which of them act there
+    # classification | regression | multiple_choice | tagging | question_answering; "" (a manifest written before heads
+    # had kinds): classification, or regression for a head with one label
+    head: str = ""
+    num_choices: int | None = None  # multiple choice: the count AdapterHub trained with (information, not a limit)
+
+    def __post_init__(self) -> None:
+        if not self.head:
+            object.__setattr__(self, "head", "regression" if len(self.labels) == 1 else "classification")
+
+    @property
+    def level(self) -> str:
+        """ "token" for a head over every token's final state (tagging, question answering), else "sequence"."""
+        return "token" if self.head in TOKEN_HEADS else "sequence"
 
 
 @dataclass(frozen=True)
@@ -143,7 +159,9 @@ def task_entries(tasks: Any, path: Path) -> dict[str, TaskEntry]:
     try:
         for name, t in tasks.items():
             per_layer = tuple(tuple(layer) for layer in t.get("adapters_per_layer", ()))
-            entries[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer)
+            choices = None if t.get("num_choices") is None else int(t["num_choices"])
+            entries[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer,
+                                      str(t.get("head") or ""), choices)  # fmt: skip
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path}: field 'tasks' is malformed ({exc!r})") from None
     if not entries:

@@ -52,10 +52,8 @@ DOC_STRIDE = 128
 
 
 def head(entry: TaskEntry) -> str:
-    """The task's head kind (one of HEADS): the manifest's ``head``; an entry without one (written before heads had
-    kinds) is classification, or regression when it has one label."""
-    kind = getattr(entry, "head", None)
-    return str(kind) if kind else (REGRESSION if len(entry.labels) == 1 else CLASSIFICATION)
+    """The task's head kind (one of HEADS; ``TaskEntry.head``)."""
+    return entry.head
 
 
 def as_flag(exc: InputError) -> InputError:
@@ -63,11 +61,6 @@ def as_flag(exc: InputError) -> InputError:
     first, _, rest = str(exc).partition(" ")
     known = {f.name for f in fields(HeadOptions)}
     return InputError(f"--{first.replace('_', '-')} {rest}") if first in known else exc
-
-
-def level(entry: TaskEntry) -> str:
-    """ "token" for a head that reads every token's final state (tagging, question answering), else "sequence"."""
-    return "token" if head(entry) in (TAGGING, QUESTION_ANSWERING) else "sequence"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from . import revisions
 from .artifact import Artifact, TaskEntry, load_artifact
 from .binding import BindingPool, Bound
 from .cpu_flags import int8_risk
-from .heads import level
 from .predictions import TextInput
 from .runner import Output
 from .tables import TaskTables, is_table, table_specs
@@ -224,7 +223,7 @@ class OnnxRunner:
         seq = encoded.input_ids.shape[1]
         padded = self.encoder.pad_to(encoded, self.padded_length(seq))
         feeds = self._feeds(padded, np.array([entry.index]))  # one task for every row: the graph broadcasts it
-        token = level(entry) == "token"
+        token = entry.level == "token"
         names = [TOKEN_LOGITS if token else "logits", *(["fusion_activations"] if return_fusion_activations else [])]
         out = self._session_run(names, feeds, served)
         # (batch, labels), or for a token-level head (batch, seq, labels) over the batch's own width
@@ -274,7 +273,7 @@ class OnnxRunner:
         seq = encoded.input_ids.shape[1]
         feeds = self._feeds(self.encoder.pad_to(encoded, self.padded_length(seq)), np.array([e.index for e in entries]))
         wants = return_fusion_activations and any(e.kind == "fusion" for e in entries)
-        levels = {level(e) for e in entries}
+        levels = {e.level for e in entries}
         names = [n for n, level in (("logits", "sequence"), (TOKEN_LOGITS, "token")) if level in levels]
         out = dict(
             zip(
@@ -285,7 +284,7 @@ class OnnxRunner:
         )
         lengths = encoded.attention_mask.sum(axis=1)  # padding is on the right: a row's tokens are its first ones
         logits = [
-            (out[TOKEN_LOGITS][i, : lengths[i]] if level(e) == "token" else out["logits"][i])[..., : len(e.labels)].astype(
+            (out[TOKEN_LOGITS][i, : lengths[i]] if e.level == "token" else out["logits"][i])[..., : len(e.labels)].astype(
                 np.float32
             )
             for i, e in enumerate(entries)
@@ -371,7 +370,7 @@ class OnnxRunner:
             elif (name, i) in (("logits", 1), (TOKEN_LOGITS, 2)):
                 kind = "sequence" if name == "logits" else "token"
                 live = self.artifact.manifest.get("live") or {}  # a live graph's width outlives its revisions' tasks
-                widths = [len(t.labels) for t in self.artifact.tasks.values() if level(t) == kind]
+                widths = [len(t.labels) for t in self.artifact.tasks.values() if t.level == kind]
                 dims.append(int(live.get(f"{name}_width") or max(widths, default=1)))
             else:
                 return None
