@@ -21,12 +21,8 @@ from fusionserve.errors import InputError
 from ..options import MAX_TOP_K
 from .artifact import TaskEntry
 from .predictions import SHAPES, ChoiceInput, Input, QAInput, TextInput, label_logits, label_scores, softmax
+from .tagging import check_aggregation, tag
 from .tokenize import Encoder, Tokens
-
-try:  # heads-post's tagging module (issue 35); until it is merged, the strategies the contract names
-    from .tagging import AGGREGATIONS
-except ModuleNotFoundError:
-    AGGREGATIONS = ("none", "simple", "first", "average", "max")
 
 CLASSIFICATION, REGRESSION, MULTIPLE_CHOICE = "classification", "regression", "multiple_choice"
 TAGGING, QUESTION_ANSWERING = "tagging", "question_answering"
@@ -76,9 +72,8 @@ class HeadOptions:
     doc_stride: int | None = None
 
     def __post_init__(self) -> None:
-        strategy = self.aggregation_strategy
-        if strategy is not None and strategy not in AGGREGATIONS:
-            raise InputError(f"aggregation_strategy {strategy!r:.40} is not known; allowed: {', '.join(AGGREGATIONS)}")
+        if self.aggregation_strategy is not None:
+            check_aggregation(self.aggregation_strategy)
         bounds = {"top_k": (1, MAX_TOP_K), "max_answer_len": (1, None), "doc_stride": (0, None)}
         for name, (low, high) in bounds.items():
             value = getattr(self, name)
@@ -118,11 +113,7 @@ class HeadOptions:
             if reads not in heads:
                 named = ", ".join(f"'{e.name}' is {head(e)}" for e in entries[:5])
                 raise InputError(f"{name} applies to {reads} tasks only; {named}")
-        if raw and self.aggregation_strategy not in (None, "none"):
-            raise InputError(
-                f"raw_scores gives each token's logits, which aggregation_strategy {self.aggregation_strategy!r} would "
-                "group away; use one or the other"
-            )
+        check_aggregation(self.aggregation_strategy or "none", raw)
 
 
 def check_input(entry: TaskEntry, inp: Input) -> None:
@@ -150,7 +141,7 @@ class Unit:
 
     rows: tuple[Tokens, ...]
     truncated: bool  # a row was cut to the token limit (never for QA: a long context is read in windows)
-    detail: Any = None  # tagging: (tokenizers Encoding, offset shift); QA: the windows
+    detail: Any = None  # tagging: (tokenizers Encoding, offset shift, tokenizer); QA: the windows
 
 
 def units(encoder: Encoder, kind: str, inputs: Sequence[Input], truncation: str, options: HeadOptions) -> list[Unit]:
@@ -160,7 +151,7 @@ def units(encoder: Encoder, kind: str, inputs: Sequence[Input], truncation: str,
         return [Unit((t,), t.truncated) for t in encoder.tokens(inputs, truncation)]  # type: ignore[arg-type]
     if kind == TAGGING:
         tagged = encoder.tagged(inputs, truncation)  # type: ignore[arg-type]
-        return [Unit((t,), t.truncated, (enc, shift)) for t, enc, shift in tagged]
+        return [Unit((t,), t.truncated, (enc, shift, encoder.tokenizer)) for t, enc, shift in tagged]
     if kind == MULTIPLE_CHOICE:
         pairs = [TextInput(i.text, c) for i in inputs for c in i.choices]  # type: ignore[union-attr]
         tokens, out, at = encoder.tokens(pairs, truncation), [], 0
@@ -209,13 +200,11 @@ def answer(
 
 
 def _tag(entry: TaskEntry, inp: Input, unit: Unit, logits: np.ndarray, options: HeadOptions, raw: bool) -> dict[str, Any]:
-    from .tagging import tag
-
-    enc, shift = unit.detail
-    offsets = [(s + shift, e + shift) for s, e in enc.offsets]
-    special = [bool(m) for m in enc.special_tokens_mask]
+    enc, shift, tokenizer = unit.detail
+    offsets = [(s + shift, e + shift) for s, e in enc.offsets] if shift else enc.offsets
     strategy = options.aggregation_strategy or "none"
-    return tag(inp.text, entry.labels, logits, offsets, special, strategy, raw, enc.word_ids)  # type: ignore[union-attr]
+    text = inp.text  # type: ignore[union-attr]
+    return tag(tokenizer, text, entry.labels, logits, enc.ids, offsets, enc.special_tokens_mask, strategy, raw)
 
 
 def _answer_question(inp: Input, unit: Unit, outputs: Sequence[np.ndarray], options: HeadOptions, raw: bool) -> Any:
