@@ -54,9 +54,10 @@ def score_inputs(
     truncation: str = "right",
     raw: bool = False,
     options: HeadOptions | None = None,
-) -> list[Scored]:
+) -> list[Scored | InputError]:
     """Score ``inputs`` for one task; see ``score_tasks``."""
-    return [r[0] for r in score_tasks(runner, (task,), inputs, batch_size, activations, on_rows, truncation, raw, options)]
+    scored = score_tasks(runner, (task,), inputs, batch_size, activations, on_rows, truncation, raw, options)
+    return [r if isinstance(r, InputError) else r[0] for r in scored]
 
 
 def score_tasks(
@@ -69,22 +70,27 @@ def score_tasks(
     truncation: str = "right",
     raw: bool = False,
     options: HeadOptions | None = None,
-) -> list[tuple[Scored, ...]]:
+) -> list[tuple[Scored, ...] | InputError]:
     """Score ``inputs`` (each the shape every task's head takes) for each of ``tasks`` in batches of similar token
     length, tokenized once per kind of rows (cut from ``truncation``'s side when too long); per input, one Scored per
-    task, in input order, with probabilities (or the logits, unrounded, when ``raw``). Raises what the runner raises
-    (unknown task, no fusion for activations, runtime failure)."""
+    task, in input order, with probabilities (or the logits, unrounded, when ``raw``), or the InputError of an input
+    a head cannot make rows of (a question too long for a window). Raises what the runner raises (unknown task, no
+    fusion for activations, runtime failure)."""
     entries = [runner.artifact.task(t) for t in tasks]
     if not inputs:  # a chunk whose rows were all bad
         return []
     options = options or HeadOptions()
     computed = compute(runner, entries, inputs, options, batch_size, truncation, activations, on_rows)
-    out: list[list[Scored]] = [[] for _ in inputs]
+    out: list[list[Scored] | InputError] = [[] for _ in inputs]
     for entry, per_input in zip(entries, computed, strict=True):
         for i, (inp, c) in enumerate(zip(inputs, per_input, strict=True)):
+            done = out[i]
+            if c.unit.error is not None or isinstance(done, InputError):
+                out[i] = done if isinstance(done, InputError) else c.unit.error  # type: ignore[assignment]
+                continue
             acts = None if c.activations is None else tuple(round(float(v), 6) for v in c.activations.mean(axis=0))
-            out[i].append(Scored(heads.answer(entry, inp, c.unit, c.outputs, options, raw), acts, c.unit.truncated))
-    return [tuple(s) for s in out]
+            done.append(Scored(heads.answer(entry, inp, c.unit, c.outputs, options, raw), acts, c.unit.truncated))
+    return [s if isinstance(s, InputError) else tuple(s) for s in out]
 
 
 def score_records(
@@ -101,26 +107,28 @@ def score_records(
 ) -> list[tuple[Scored, ...] | InputError]:
     """One result per record, in order: one Scored per task, or the InputError of a row that lacks what a task's head
     reads (``InputFields.read``: its text; a multiple-choice task's choices; a question-answering task's question and
-    context). Tasks whose heads take the same shape of input are scored together."""
+    context) or that a head cannot make rows of. Tasks whose heads take the same shape of input are scored together."""
     entries = [runner.artifact.task(t) for t in tasks]
     shapes = [heads.TAKES[heads.head(e)] for e in entries]
     per_row = [_inputs(r, fields, entries) for r in records]
-    good = [x for x in per_row if not isinstance(x, InputError)]
-    by_task: dict[int, list[Scored]] = {}
+    good = [k for k, x in enumerate(per_row) if not isinstance(x, InputError)]
+    results: dict[int, list[Scored | None] | InputError] = {k: [None] * len(tasks) for k in good}
     for n, shape in enumerate(dict.fromkeys(shapes)):
-        which = [k for k, s in enumerate(shapes) if s is shape]
-        scored = score_tasks(runner, [tasks[k] for k in which], [x[shape] for x in good], batch_size, activations,
-                             on_rows if n == 0 else None, truncation, raw, options)  # fmt: skip
-        for j, k in enumerate(which):
-            by_task[k] = [row[j] for row in scored]
-    rows = iter(range(len(good)))
-    return [x if isinstance(x, InputError) else tuple(by_task[k][i] for k in range(len(tasks))) for x, i in _pair(per_row, rows)]
-
-
-def _pair(per_row: list[Any], good: Any) -> Any:
-    """Each row with its position among the good rows (None for a bad one)."""
-    for x in per_row:
-        yield x, None if isinstance(x, InputError) else next(good)
+        which = [t for t, s in enumerate(shapes) if s is shape]
+        scored = score_tasks(runner, [tasks[t] for t in which], [per_row[k][shape] for k in good], batch_size,  # type: ignore[index]
+                             activations, on_rows if n == 0 else None, truncation, raw, options)  # fmt: skip
+        for k, row in zip(good, scored, strict=True):
+            slot = results[k]
+            if isinstance(row, InputError) or isinstance(slot, InputError):
+                results[k] = slot if isinstance(slot, InputError) else row  # type: ignore[assignment]
+                continue
+            for j, t in enumerate(which):
+                slot[t] = row[j]
+    out: list[tuple[Scored, ...] | InputError] = []
+    for k, x in enumerate(per_row):
+        r = x if isinstance(x, InputError) else results[k]
+        out.append(r if isinstance(r, InputError) else tuple(r))  # type: ignore[arg-type]
+    return out
 
 
 def _inputs(record: Record | InputError, fields: InputFields, entries: Sequence[TaskEntry]) -> dict[type, Input] | InputError:

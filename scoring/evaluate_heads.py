@@ -156,19 +156,22 @@ def evaluate_head(
     bad: list[tuple[int, str]] = []
     bar = tqdm(desc=f"evaluate {task}", unit="example", disable=not progress, file=sys.stderr)
     for batch in batched(json_lines(path), batch_size):
-        good: list[tuple[Input, Any]] = []
+        good: list[tuple[int, Input, Any]] = []
         for no, obj in batch:
             try:
                 if isinstance(obj, InputError):
                     raise obj
                 inp, want = _gold(kind, entry, obj)
                 heads.check_input(entry, inp)
-                good.append((inp, want))
+                good.append((no, inp, want))
             except InputError as exc:
                 bad.append((no, str(exc)))
         if good:
-            inputs = [x for x, _ in good]
-            for (inp, want), c in zip(good, compute(runner, [entry], inputs, HeadOptions(), batch_size)[0], strict=True):
+            inputs = [x for _, x, _ in good]
+            for (no, inp, want), c in zip(good, compute(runner, [entry], inputs, HeadOptions(), batch_size)[0], strict=True):
+                if c.unit.error is not None:  # a question too long for a window
+                    bad.append((no, str(c.unit.error)))
+                    continue
                 gold.append(want)
                 pred.append(_prediction(kind, entry, inp, c))
         bar.update(len(batch))

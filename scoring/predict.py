@@ -78,6 +78,7 @@ def predict(
     bar = tqdm(desc=f"predict {task}", unit="input", disable=not progress, file=sys.stderr)
     for batch in batched(inputs, batch_size):
         rows: dict[int, dict[str, Any]] = {}
+        errors: dict[int, InputError] = {}
         good: list[tuple[int, Input]] = []
         for no, x in batch:
             try:
@@ -86,14 +87,18 @@ def predict(
                 heads.check_input(entry, x)
                 good.append((no, x))
             except InputError as exc:
-                rows[no] = {"line": no, "error": str(exc)}
-                bar.write(f"line {no}: {exc}", file=sys.stderr)
-                failed += 1
+                errors[no] = exc
         if good:
             computed = compute(runner, [entry], [x for _, x in good], options, batch_size)[0]
             for (no, x), c in zip(good, computed, strict=True):
-                rows[no] = _line(entry, x, c, options, raw)
-        ok += len(good)
+                if c.unit.error is not None:  # a question too long for a window
+                    errors[no] = c.unit.error
+                else:
+                    rows[no] = _line(entry, x, c, options, raw)
+        for no, exc in errors.items():
+            rows[no] = {"line": no, "error": str(exc)}
+            bar.write(f"line {no}: {exc}", file=sys.stderr)
+        ok, failed = ok + len(batch) - len(errors), failed + len(errors)
         for no, _ in batch:
             out.write(json.dumps(rows[no], ensure_ascii=False) + "\n")
         bar.update(len(batch))

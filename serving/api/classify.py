@@ -63,7 +63,9 @@ def _invalid(exc: ValidationError) -> HTTPError:
     return HTTPError(422, "invalid_request", describe_validation_error(exc))
 
 
-def _refusal(exc: HTTPError | Overloaded | TooManyTokens | TooManyRows) -> HTTPError:
+def _refusal(exc: HTTPError | Overloaded | TooManyTokens | TooManyRows | InputError) -> HTTPError:
+    if isinstance(exc, InputError):  # found while its rows were made (a question longer than a window holds)
+        return HTTPError(422, "invalid_input", str(exc))
     if isinstance(exc, Overloaded):
         return HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later")
     if isinstance(exc, TooManyRows):
@@ -180,7 +182,7 @@ class Classifier:
             self.stats.observe_dropped("client_disconnected")
             self.stats.observe_request(task, 499, time.perf_counter() - started)
             raise
-        except (HTTPError, Overloaded, TooManyTokens, TooManyRows) as exc:
+        except (HTTPError, Overloaded, TooManyTokens, TooManyRows, InputError) as exc:
             err = _refusal(exc)
             self.stats.observe_rejected(err.reason)
             self.stats.observe_request(task, err.status, time.perf_counter() - started)

@@ -142,11 +142,13 @@ class Unit:
     rows: tuple[Tokens, ...]
     truncated: bool  # a row was cut to the token limit (never for QA: a long context is read in windows)
     detail: Any = None  # tagging: (tokenizers Encoding, offset shift, tokenizer); QA: the windows
+    error: InputError | None = None  # the input cannot be made into rows (a question too long for a window): no rows
 
 
 def units(encoder: Encoder, kind: str, inputs: Sequence[Input], truncation: str, options: HeadOptions) -> list[Unit]:
     """Per input, its rows for a head of ``kind`` (see the module docstring); inputs must be the shape the head takes
-    (``check_input``). Raises ValueError for an unknown kind."""
+    (``check_input``). An input that cannot be made into rows gets a Unit with its ``error`` and no rows. Raises
+    ValueError for an unknown kind."""
     if kind in (CLASSIFICATION, REGRESSION):
         return [Unit((t,), t.truncated) for t in encoder.tokens(inputs, truncation)]  # type: ignore[arg-type]
     if kind == TAGGING:
@@ -166,9 +168,12 @@ def units(encoder: Encoder, kind: str, inputs: Sequence[Input], truncation: str,
         stride = options.stride(encoder.max_length)
         out = []
         for i in inputs:
-            win = windows(encoder.tokenizer, i.question, i.context, encoder.max_length, stride)  # type: ignore[union-attr]
-            rows = tuple(Tokens(w.ids, w.type_ids, False) for w in win)
-            out.append(Unit(rows, False, win))
+            try:
+                win = windows(encoder.tokenizer, i.question, i.context, encoder.max_length, stride)  # type: ignore[union-attr]
+            except InputError as exc:  # this input only: the caller says which one (a request fails, a file row is reported)
+                out.append(Unit((), False, error=exc))
+                continue
+            out.append(Unit(tuple(Tokens(w.ids, w.type_ids, False) for w in win), False, win))
         return out
     raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEADS)}")
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from fusionserve.errors import FusionServeError
+from fusionserve.errors import FusionServeError, InputError
 
 from ..model.activations import token_means
 from ..model.heads import HeadOptions, Unit, head, row_key, units
@@ -226,6 +226,9 @@ class Scheduler:
             key = row_key(kind)
             if key not in made:
                 made[key] = units(encoder, kind, inputs, job.truncation, job.options)
+                bad = next((k for k, u in enumerate(made[key]) if u.error is not None), None)
+                if bad is not None:
+                    raise InputError(f"inputs[{bad}]: {made[key][bad].error}")
             out.append(made[key])
         if strict:
             over = sorted({i for per_task in out for i, u in enumerate(per_task) if u.truncated})
