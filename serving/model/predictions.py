@@ -138,3 +138,16 @@ def label_logits(labels: Sequence[str], logits: np.ndarray) -> list[tuple[str, f
         best = int(np.argmax(row))
         out.append((labels[best], float(row[best]), {lab: float(v) for lab, v in zip(labels, row, strict=True)}))
     return out
+
+
+def choice_scores(choices: Sequence[str], logits: np.ndarray, raw_scores: bool = False) -> dict[str, Any]:
+    """One multiple-choice input's prediction from its rows' logits, one per choice (shape (k,) or (k, 1)):
+    ``{"label": the chosen choice's text, "choice": its index, "scores": [one per choice]}``, the scores a softmax
+    over the choices rounded to 6 digits, or with ``raw_scores`` the logits unrounded. The first of equal best wins.
+    Raises ValueError when the logits are not one per choice."""
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if row.shape[0] != len(choices) or not len(choices):
+        raise ValueError(f"{row.shape[0]} logits for {len(choices)} choices: expected one per choice")
+    best = int(np.argmax(row))
+    scores = [float(v) for v in row] if raw_scores else [round(float(v), 6) for v in softmax(row)]
+    return {"label": choices[best], "choice": best, "scores": scores}
