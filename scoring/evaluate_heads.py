@@ -29,6 +29,7 @@ from fusionserve.serving.model.predictions import ChoiceInput, Input, TextInput,
 from fusionserve.serving.model.rows import Computed, compute
 from fusionserve.serving.model.runner import ActivationRunner
 
+from . import metrics
 from .inputs import batched, json_lines
 
 
@@ -41,7 +42,8 @@ class HeadEvaluation:
     bad: list[tuple[int, str]]  # (line, why) of the lines left out
 
     def as_dict(self) -> dict[str, Any]:
-        rounded = {k: round(v, 4) for k, v in self.metrics.items()}
+        # a correlation is undefined (NaN) for a constant series: null in JSON
+        rounded = {k: None if math.isnan(v) else round(v, 4) for k, v in self.metrics.items()}
         return {"task": self.task, "head": self.head, "examples": self.examples, **rounded, "bad_lines": len(self.bad)}
 
     def render(self) -> str:
@@ -127,15 +129,15 @@ def _prediction(kind: str, entry: TaskEntry, inp: Input, c: Computed) -> Any:
 
 
 def _metrics(kind: str, gold: list[Any], pred: list[Any]) -> dict[str, float]:
-    from . import metrics
-
+    """The head's metrics: correlations as they are, the others in percent (``metrics`` gives fractions)."""
     if kind == REGRESSION:
         return {"pearson": metrics.pearson(gold, pred), "spearman": metrics.spearman(gold, pred)}
     if kind == MULTIPLE_CHOICE:
         return {"accuracy": 100.0 * metrics.accuracy(gold, pred)}
     if kind == TAGGING:
-        return {k: 100.0 * v for k, v in metrics.entity_f1(gold, pred).items()}
-    return dict(metrics.squad(gold, pred))
+        found = metrics.entity_f1(gold, pred)
+        return {k: 100.0 * found[k] for k in ("precision", "recall", "f1")}
+    return {k: 100.0 * v for k, v in metrics.squad(gold, pred).items()}
 
 
 def evaluate_head(

@@ -162,3 +162,32 @@ def test_score_reads_choices_from_a_column_and_reports_rows_without_them(heads, 
     else:
         assert errors[1]["error"] == "missing field 'options': a multiple-choice task reads its choices there"
     assert [e["row"] for e in errors] == [2, 3] and errors[0]["error"].startswith("field 'options' holds 1 choice; a multiple")
+
+
+def test_evaluate_reports_correlation_for_regression_and_accuracy_for_multiple_choice(heads, tmp_path, capsys):
+    texts = SENTENCES + [" ".join(p) for p in PAIRS]
+    values = heads.reference("sts", texts)[:, 0]
+    gold = [2 * v + 1 for v in values]  # a monotone map of the model's values: Pearson and Spearman 1
+    gold[0], gold[1] = gold[1], gold[0]  # ... but two swapped: below 1
+    lines = [{"text": t, "label": float(g)} for t, g in zip(texts, gold, strict=True)] + [{"text": "no label"}]
+    src = _jsonl(tmp_path / "sts.jsonl", lines)
+    assert main(["evaluate", str(heads.artifact), "--task", "sts", "--input", str(src), "--json"]) == 0
+    out = capsys.readouterr()
+    got = json.loads(out.out)
+    from scipy.stats import pearsonr, spearmanr
+
+    assert got["head"] == "regression" and got["examples"] == len(texts) and got["bad_lines"] == 1
+    assert got["pearson"] == pytest.approx(pearsonr(gold, values)[0], abs=1e-4) and got["pearson"] < 1
+    assert got["spearman"] == pytest.approx(spearmanr(gold, values)[0], abs=1e-4) and got["spearman"] < 1
+    assert "line 9: missing field 'label'" in out.err
+    contexts = SENTENCES[:4]
+    best = [int(np.argmax(heads.reference("swag", [(c, THREE)])[0])) for c in contexts]
+    lines = [{"text": c, "choices": THREE, "label": b} for c, b in zip(contexts, best, strict=True)]
+    lines[0]["label"] = (best[0] + 1) % 3  # one wrong: 75%
+    lines[1]["label"] = THREE[best[1]]  # the right choice's text counts as its index
+    lines.append({"text": "x", "choices": THREE, "label": 3})
+    src = _jsonl(tmp_path / "swag.jsonl", lines)
+    assert main(["evaluate", str(heads.artifact), "--task", "swag", "--input", str(src)]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "swag (multiple_choice): accuracy 75.00% over 4 examples", out.out
+    assert "'label' must be the right choice's index 0..2 or its text, got 3" in out.err

@@ -20,7 +20,9 @@ from fusionserve.errors import InputError
 
 from ..options import MAX_TOP_K
 from .artifact import TaskEntry
-from .predictions import SHAPES, ChoiceInput, Input, QAInput, TextInput, label_logits, label_scores, softmax
+from .predictions import SHAPES, ChoiceInput, Input, QAInput, TextInput, choice_scores, label_logits, label_scores
+from .qa import MAX_ANSWER_LEN, TOP_K, windows
+from .qa import answer as span_answer
 from .tagging import check_aggregation, tag
 from .tokenize import Encoder, Tokens
 
@@ -42,9 +44,8 @@ INPUT_FIELDS = {  # the fields of an input object each head takes (a plain strin
 }  # fmt: skip
 QA_OPTIONS = ("top_k", "max_answer_len", "handle_impossible_answer", "doc_stride")
 OPTIONS_READ = {TAGGING: ("aggregation_strategy",), QUESTION_ANSWERING: QA_OPTIONS}  # the options each head reads
-# the defaults of the Hugging Face pipelines ("question-answering": top_k 1, max_answer_len 15; doc_stride: see ``stride``)
-QA_DEFAULTS = {"top_k": 1, "max_answer_len": 15, "handle_impossible_answer": False}
-DOC_STRIDE = 128
+# the defaults of the Hugging Face question-answering pipeline (doc_stride: qa.default_doc_stride of the token limit)
+QA_DEFAULTS = {"top_k": TOP_K, "max_answer_len": MAX_ANSWER_LEN, "handle_impossible_answer": False}
 
 
 def head(entry: TaskEntry) -> str:
@@ -93,15 +94,10 @@ class HeadOptions:
         value = getattr(self, name)
         return QA_DEFAULTS[name] if value is None else value
 
-    def stride(self, max_length: int) -> int:
-        """The tokens two windows of a long context share: as given, else the question-answering pipeline's default
-        for a model of ``max_length`` tokens, min(max_length // 2, 128)."""
-        return min(max_length // 2, DOC_STRIDE) if self.doc_stride is None else self.doc_stride
-
     def check(self, entries: Sequence[TaskEntry], raw: bool = False, max_length: int | None = None) -> None:
         """Raises InputError for an option that no task of ``entries`` reads (a strategy given for a classification
-        task answers nothing different: refused rather than ignored), for raw scores asked with an aggregation, and
-        for a ``doc_stride`` not below the model's token limit ``max_length``."""
+        task answers nothing different: refused rather than ignored), for raw scores asked with an aggregation or of a
+        question-answering task, and for a ``doc_stride`` not below the model's token limit ``max_length``."""
         if max_length is not None and self.doc_stride is not None and self.doc_stride >= max_length:
             raise InputError(
                 f"doc_stride must be a whole number 0..{max_length - 1} (below the model's token limit of {max_length}), "
@@ -114,6 +110,12 @@ class HeadOptions:
                 named = ", ".join(f"'{e.name}' is {head(e)}" for e in entries[:5])
                 raise InputError(f"{name} applies to {reads} tasks only; {named}")
         check_aggregation(self.aggregation_strategy or "none", raw)
+        qa = next((e for e in entries if head(e) == QUESTION_ANSWERING), None)
+        if raw and qa is not None:
+            raise InputError(
+                f"raw_scores: task '{qa.name}' is question_answering, whose score is the product of an answer's start and "
+                "end probabilities (summed over the windows that read it): it has no logits of its own to give"
+            )
 
 
 def check_input(entry: TaskEntry, inp: Input) -> None:
@@ -163,13 +165,10 @@ def units(encoder: Encoder, kind: str, inputs: Sequence[Input], truncation: str,
             at += len(rows)
         return out
     if kind == QUESTION_ANSWERING:
-        from .qa import windows
-
-        stride = options.stride(encoder.max_length)
         out = []
         for i in inputs:
             try:
-                win = windows(encoder.tokenizer, i.question, i.context, encoder.max_length, stride)  # type: ignore[union-attr]
+                win = windows(encoder.tokenizer, i.question, i.context, encoder.max_length, options.doc_stride)  # type: ignore[union-attr]
             except InputError as exc:  # this input only: the caller says which one (a request fails, a file row is reported)
                 out.append(Unit((), False, error=exc))
                 continue
@@ -183,7 +182,7 @@ def answer(
 ) -> Any:
     """The prediction for one input (JSON-ready) from its rows' ``outputs``: per row the head's logits, (labels,) for a
     sequence-level head, (tokens, labels) for a token-level one. ``raw``: logits, unrounded, instead of rounded
-    probabilities (regression: the value unrounded; tagging: each token's logits added)."""
+    probabilities (regression: the value unrounded; tagging: each token's logits added; question answering has none)."""
     kind = head(entry)
     cut = {"truncated": bool(unit.truncated)}
     if kind == CLASSIFICATION:
@@ -193,14 +192,11 @@ def answer(
         value = float(outputs[0][0])
         return {"score": value if raw else round(value, 6), **cut}
     if kind == MULTIPLE_CHOICE:
-        logits = np.array([float(o[0]) for o in outputs], dtype=np.float64)  # (choices,)
-        best = int(np.argmax(logits))
-        scores = logits.tolist() if raw else [round(float(p), 6) for p in softmax(logits)]
-        return {"label": inp.choices[best], "choice": best, "scores": scores, **cut}  # type: ignore[union-attr]
+        return {**choice_scores(inp.choices, np.stack(outputs), raw), **cut}  # type: ignore[union-attr]
     if kind == TAGGING:
         return {**_tag(entry, inp, unit, outputs[0], options, raw), **cut}
     if kind == QUESTION_ANSWERING:
-        return _answer_question(inp, unit, outputs, options, raw)
+        return _answer_question(inp, unit, outputs, options)
     raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEADS)}")
 
 
@@ -212,9 +208,9 @@ def _tag(entry: TaskEntry, inp: Input, unit: Unit, logits: np.ndarray, options: 
     return tag(tokenizer, text, entry.labels, logits, enc.ids, offsets, enc.special_tokens_mask, strategy, raw)
 
 
-def _answer_question(inp: Input, unit: Unit, outputs: Sequence[np.ndarray], options: HeadOptions, raw: bool) -> Any:
-    from .qa import answer as span_answer
-
+def _answer_question(inp: Input, unit: Unit, outputs: Sequence[np.ndarray], options: HeadOptions) -> Any:
+    """The best answer (top_k 1), or the top_k best as a list (as the pipeline answers); raw scores are refused for QA
+    (``HeadOptions.check``)."""
     start = [o[:, 0] for o in outputs]
     end = [o[:, 1] for o in outputs]
     found = span_answer(
