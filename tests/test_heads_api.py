@@ -15,6 +15,7 @@ from fusionserve.serving.api.classify import Classifier, parse_fields, parse_jso
 from fusionserve.serving.api.grpc_ingress import request_fields, response_message
 from fusionserve.serving.api.metrics import Metrics
 from fusionserve.serving.api.schemas import HTTPError, Limits
+from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.scheduler.batching import BatchLimits, Scheduler
 from tests.adapterhub_models import PAIRS, SENTENCES
@@ -168,3 +169,25 @@ def test_multiple_choice_over_grpc(core, heads):
     p = reply.predictions[0]
     assert p.choice == int(np.argmax(want)) and p.label == three[p.choice] and list(reply.labels) == []
     np.testing.assert_allclose(list(p.scores), np.exp(want) / np.exp(want).sum(), atol=TOL)
+
+
+def test_tagged_offsets_point_into_the_text_as_sent_whichever_side_was_cut(core):
+    """A text past the characters the tokenizer reads (token limit x 32) is cut before it is tokenized; cut at its
+    start ("left"), the offsets are moved back so that the answer's start/end index the text as sent."""
+    from fusionserve.serving.model import heads
+    from fusionserve.serving.model.artifact import TaskEntry
+
+    encoder = core.encoder
+    words = ("the cat sat on the mat and the dog was not very fun " * 200).split()
+    text = " ".join(words)
+    assert len(text) > encoder.max_chars
+    entry = TaskEntry("ner", 0, "head", ("O", "B-X", "I-X"), (), (), "tagging")
+    for direction in ("right", "left"):
+        unit = heads.units(encoder, "tagging", [TextInput(text)], direction, heads.HeadOptions())[0]
+        logits = np.tile(np.array([[0.0, 5.0, 0.0]], dtype=np.float32), (len(unit.rows[0].ids), 1))  # every piece B-X
+        got = heads.answer(entry, TextInput(text), unit, [logits], heads.HeadOptions())
+        tokens = got["tokens"]
+        assert got["truncated"] and len(tokens) == encoder.max_length - 2
+        assert all(text[t["start"] : t["end"]] == t["word"] for t in tokens), tokens[:3]
+        kept = tokens[-1]["end"] if direction == "left" else tokens[0]["start"]
+        assert kept == (len(text) if direction == "left" else 0)
