@@ -46,10 +46,10 @@ def _checked(doc: dict[str, Any]) -> str:
     parts = []
     if "task" in checks:
         t = checks["task"]
-        parts.append(
-            f"vs PyTorch over {t['cases']} cases: max |diff| logits {t['max_abs_diff']['logits']:.2g}, "
-            f"label agreement {t['label_agreement']:.1%}"
-        )
+        out = next(iter(t["max_abs_diff"]))  # logits, or token_logits for a token-level head
+        agreement = f"label agreement {t['label_agreement']:.1%}" if "label_agreement" in t else ""
+        agreement = agreement or f"correlation {t['correlation']:.4f}"  # a regression head: no labels
+        parts.append(f"vs PyTorch over {t['cases']} cases: max |diff| {out} {t['max_abs_diff'][out]:.2g}, {agreement}")
     if "others" in checks:
         parts.append(f"{checks['others']['tasks']} other task(s) bit-identical")
     return "; ".join(parts)

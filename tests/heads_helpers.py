@@ -82,7 +82,7 @@ def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
                 if name.startswith(f"heads.{task}.") or (new and f"adapter_fusion_layer.{fused}." in name):
                     p.add_(torch.randn(p.shape, generator=gen) * 0.3)
         model.save_head(str(root / "heads" / task), task)
-        entry = {"head": f"heads/{task}" if kind != "multiple_choice" else _one_label_copy(root / "heads" / task)}
+        entry = {"head": f"heads/{task}"}
         if how == "fusion":
             model.save_adapter_fusion(str(root / "fusions" / task), ",".join(names))
             entry["fusion"] = f"fusions/{task}"
@@ -93,36 +93,4 @@ def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
     (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     artifact = root / "artifact"
     export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live)
-    _mark_multiple_choice(artifact)
     return HeadsModel(built, root / "model.yaml", artifact)
-
-
-# --- until heads-export reads multiple-choice heads: the head's weights as a one-label classification head (the same
-# layers: AdapterHub builds a multiple-choice head as a classification head with one output), marked as the contract's
-# manifest marks a multiple-choice task
-
-
-def _one_label_copy(folder: Path) -> str:
-    import json
-    import shutil
-
-    copy = folder.with_name(folder.name + "_as_one_label")
-    shutil.copytree(folder, copy)
-    data = json.loads((copy / "head_config.json").read_text())
-    cfg = data["config"]
-    cfg.pop("num_choices")
-    cfg.update(head_type="classification", num_labels=1, label2id=None)
-    (copy / "head_config.json").write_text(json.dumps(data))
-    return f"heads/{copy.name}"
-
-
-def _mark_multiple_choice(artifact: Path) -> None:
-    import json
-
-    from fusionserve.serving.model.artifact import MANIFEST, write_manifest
-
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    for task, (kind, _, _) in HEAD_TASKS.items():
-        if kind == "multiple_choice" and "head" not in manifest["tasks"][task]:
-            manifest["tasks"][task].update(head="multiple_choice", labels=["choice"], num_choices=NUM_CHOICES)
-    write_manifest(artifact, manifest)
