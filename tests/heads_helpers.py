@@ -19,8 +19,11 @@ HEAD_TASKS = {
     "sts": ("regression", "fusion", ["gamma", "beta", "alpha"]),  # the last adapter acts in every layer (beta skips one)
     "sick": ("regression", "adapter", ["gamma"]),
     "swag": ("multiple_choice", "fusion", ["gamma", "beta", "alpha"]),
+    "ner": ("tagging", "fusion", ["gamma", "beta", "alpha"]),
+    "squad": ("question_answering", "adapter", ["alpha"]),
 }
 NUM_CHOICES = 3  # the multiple-choice head's trained count
+TAGS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 
 
 @dataclass
@@ -29,18 +32,33 @@ class HeadsModel:
     spec: Path
     artifact: Path
 
-    def reference(self, task: str, texts: list, **encode: object) -> np.ndarray:
-        """AdapterHub's own logits for ``task`` (one of HEAD_TASKS) on ``texts`` (strings or (text, pair) tuples);
-        a multiple-choice task's per (context, choice) pair, each pair one row."""
+    def activate(self, task: str) -> torch.nn.Module:
+        """AdapterHub's model computing ``task`` (one of HEAD_TASKS): its adapters and head active."""
         from adapters.composition import Fuse
 
         _, how, names = HEAD_TASKS[task]
-        model, tok = self.built.reference, self.built.tokenizer
+        model = self.built.reference
         model.set_active_adapters(Fuse(*names) if how == "fusion" else names[0])
         model.active_head = task
         for layer in model.bert.encoder.layer:  # the library anneals T even in eval; a trained model sits at 1
             for fusion in layer.output.adapter_fusion_layer.values():
                 fusion.T = 1.0
+        return model
+
+    def pipeline(self, task: str) -> object:
+        """The Hugging Face pipeline of ``task``'s kind on AdapterHub's own model (``token-classification`` for tagging,
+        ``question-answering`` for QA); transformers' complaint that it does not know the model class is silenced."""
+        from transformers import pipeline
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        kind = "token-classification" if HEAD_TASKS[task][0] == "tagging" else "question-answering"
+        return pipeline(kind, model=self.activate(task), tokenizer=self.built.tokenizer, device="cpu")
+
+    def reference(self, task: str, texts: list, **encode: object) -> np.ndarray:
+        """AdapterHub's own logits for ``task`` (one of HEAD_TASKS) on ``texts`` (strings or (text, pair) tuples);
+        a multiple-choice task's per (context, choice) pair, each pair one row."""
+        model, tok = self.activate(task), self.built.tokenizer
         if HEAD_TASKS[task][0] == "multiple_choice":  # texts: (context, choices) with NUM_CHOICES choices each
             out = []
             for context, choices in texts:
@@ -73,6 +91,10 @@ def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
             model.add_classification_head(task, num_labels=1)
         elif kind == "multiple_choice":
             model.add_multiple_choice_head(task, num_choices=NUM_CHOICES)
+        elif kind == "tagging":
+            model.add_tagging_head(task, num_labels=len(TAGS), id2label=dict(enumerate(TAGS)))
+        elif kind == "question_answering":
+            model.add_qa_head(task)
         fused = ",".join(names)
         new = how == "fusion" and fused not in model.bert.encoder.layer[0].output.adapter_fusion_layer
         if new:  # tasks may share a fusion: it is added (and perturbed) once

@@ -15,13 +15,15 @@ from fusionserve.serving.api.classify import Classifier, parse_fields, parse_jso
 from fusionserve.serving.api.grpc_ingress import request_fields, response_message
 from fusionserve.serving.api.metrics import Metrics
 from fusionserve.serving.api.schemas import HTTPError, Limits
-from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model import heads as heads_module
+from fusionserve.serving.model.predictions import QAInput, TextInput
 from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.scheduler.batching import BatchLimits, Scheduler
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.heads_helpers import HeadsModel, build_heads
 
 TOL = 1e-4
+THREE = ["the cat sat", "a good film", "it is boring"]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,27 @@ REFUSED = {  # what is sent -> (status, error type, what the message says)
     "top_k without QA": ({"task": "sts", "inputs": ["a"], "top_k": 2}, 422, "invalid_option", "top_k applies to question_answering"),
     "bad stride": ({"task": "rte", "inputs": ["a"], "doc_stride": -1}, 422, "invalid_option", "doc_stride must be a whole number"),
     "rows over the limit": ({"task": "swag", "inputs": [MC] * 9}, 413, "too_many_inputs", "making 18 rows"),
+    "a pair to tag": (
+        {"task": "ner", "inputs": [{"text": "a", "text_pair": "b"}]}, 422, "invalid_input",
+        "task 'ner' is tagging: it tags one text",
+    ),
+    "raw scores aggregated": (
+        {"task": "ner", "inputs": ["a"], "raw_scores": True, "aggregation_strategy": "simple"}, 422, "invalid_option",
+        "raw_scores gives each word piece's logits: it needs aggregation_strategy 'none'",
+    ),
+    "raw scores of QA": (
+        {"task": "squad", "inputs": [{"question": "q", "context": "c"}], "raw_scores": True}, 422, "invalid_option",
+        "raw_scores: task 'squad' is question_answering",
+    ),
+    "a text for QA": ({"task": "squad", "inputs": ["a"]}, 422, "invalid_input", "without 'question' and 'context'"),
+    "windows over the limit": (
+        {"task": "squad", "inputs": [{"question": "who", "context": " ".join(SENTENCES * 12)}]}, 413, "too_many_inputs",
+        "the request makes 37 rows (inputs[0] makes 37; a choice or a window of a long context is a row); the limit is 16",
+    ),
+    "question too long": (
+        {"task": "squad", "inputs": [{"question": "the cat " * 14, "context": " ".join(SENTENCES * 2)}]}, 422,
+        "invalid_input", "inputs[0]: the question is 28 tokens",
+    ),
 }  # fmt: skip
 
 
@@ -191,3 +214,115 @@ def test_tagged_offsets_point_into_the_text_as_sent_whichever_side_was_cut(core)
         assert all(text[t["start"] : t["end"]] == t["word"] for t in tokens), tokens[:3]
         kept = tokens[-1]["end"] if direction == "left" else tokens[0]["start"]
         assert kept == (len(text) if direction == "left" else 0)
+
+
+TAGGED = [SENTENCES[0], SENTENCES[1], "the dog sat on a mat and the cat is not boring", SENTENCES[4]]
+CONTEXT = " ".join(SENTENCES)  # 45 tokens: read in several windows of 32
+QUESTIONS = [("what is not very fun", CONTEXT), ("who sat", SENTENCES[2]), ("is the plot boring", " ".join(SENTENCES[::-1]))]
+
+
+@pytest.mark.parametrize("strategy", ["none", "simple", "first", "average", "max"])
+def test_tagging_answers_the_token_classification_pipelines_entities(core, heads, strategy):
+    nlp = heads.pipeline("ner")
+    out = _classify(core, {"task": "ner", "inputs": TAGGED, "aggregation_strategy": strategy})
+    assert not isinstance(out, HTTPError), out
+    key = "tokens" if strategy == "none" else "entities"
+    compared = 0
+    for pred, text in zip(out["predictions"], TAGGED, strict=True):
+        theirs = nlp(text, aggregation_strategy=strategy)
+        assert list(pred) == [key, "truncated"] and len(pred[key]) == len(theirs), (pred, theirs)
+        for ours, want in zip(pred[key], theirs, strict=True):
+            assert {k: v for k, v in ours.items() if k != "score"} == {k: v for k, v in want.items() if k != "score"}
+            assert ours["score"] == pytest.approx(float(want["score"]), abs=1e-5)
+            compared += 1
+    assert compared >= 4
+
+
+def test_tagging_raw_scores_are_each_pieces_logits(core, heads):
+    out = _classify(core, {"task": "ner", "inputs": TAGGED[:1], "raw_scores": True})
+    tokens = out["predictions"][0]["tokens"]
+    logits = heads.reference("ner", TAGGED[:1])[0]  # (seq, labels), [CLS] first
+    for t in tokens:
+        np.testing.assert_allclose(list(t["scores"].values()), logits[t["index"]], atol=TOL)
+        assert list(t["scores"]) == ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"top_k": 3}, {"max_answer_len": 2, "top_k": 2}, {"handle_impossible_answer": True, "top_k": 2}, {"doc_stride": 4}],
+    ids=["defaults", "top_k", "max_answer_len", "impossible", "doc_stride"],
+)
+def test_question_answering_answers_the_pipelines_answers(core, heads, options):
+    qa = heads.pipeline("squad")
+    inputs = [{"question": q, "context": c} for q, c in QUESTIONS]
+    out = _classify(core, {"task": "squad", "inputs": inputs, **options})
+    assert not isinstance(out, HTTPError), out
+    first = heads_module.units(core.encoder, "question_answering", [QAInput(*QUESTIONS[0])], "right", heads_module.HeadOptions())
+    assert len(first[0].rows) > 1  # the context is read in several windows
+    for pred, (q, c) in zip(out["predictions"], QUESTIONS, strict=True):
+        theirs = qa(question=q, context=c, max_seq_len=32, **options)
+        ours, want = (pred, theirs) if isinstance(theirs, list) else ([pred], [theirs])
+        assert len(ours) == len(want) and all(isinstance(a, dict) for a in ours), (pred, theirs)
+        for a, b in zip(ours, want, strict=True):
+            assert (a["answer"], a["start"], a["end"]) == (b["answer"], b["start"], b["end"]), (a, b)
+            assert a["score"] == pytest.approx(b["score"], abs=1e-5)
+
+
+def test_one_batch_mixes_all_five_kinds_and_each_answers_as_alone(core, heads):
+    """Requests of the five head kinds queued while the model is busy leave in one batch (one forward pass over rows of
+    every kind: the graph gathers each row's head by task id), and each answers what it answers alone."""
+    from fusionserve.serving.scheduler.results import BatchStats
+    from tests.test_batching import Gate
+
+    runner = OnnxRunner(heads.artifact, threads=1, device="cpu")
+    batches: list[BatchStats] = []
+    sched = Scheduler(runner, BatchLimits(max_batch_size=64), batches.append)
+    mixed = Classifier(runner.encoder, sched, Limits(max_inputs=16), Metrics())
+    work = [
+        {"task": "rte", "inputs": [SENTENCES[0]]},
+        {"task": "sts", "inputs": [SENTENCES[1]]},
+        {"task": "swag", "inputs": [{"text": SENTENCES[2], "choices": THREE}]},
+        {"task": "ner", "inputs": [TAGGED[2]], "aggregation_strategy": "simple"},
+        {"task": "squad", "inputs": [{"question": QUESTIONS[0][0], "context": QUESTIONS[0][1]}]},
+    ]
+    gate = Gate(runner)
+
+    async def scenario():
+        gate.close()
+        first = asyncio.ensure_future(sched.submit("rte", [TextInput(SENTENCES[3])]))
+        while not gate.entered.is_set():
+            await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(mixed(_reader(body), "test")) for body in work]
+        while sched.queued_rows < 1 + 1 + 3 + 1 + 2:  # the QA context is two windows
+            await asyncio.sleep(0.01)
+        gate.release.set()
+        await first
+        return await asyncio.gather(*rest)
+
+    together = asyncio.run(scenario())
+    assert len(batches) == 2 and batches[1].tasks.keys() == {"rte", "sts", "swag", "ner", "squad"}, batches
+    for body, got in zip(work, together, strict=True):
+        _same(got, _classify(core, body))
+
+
+def _same(a: object, b: object) -> None:
+    """Equal answers: the same structure, strings and integers; floats within TOL."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (a, b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, abs=TOL)
+    else:
+        assert a == b
+
+
+def _reader(body: dict):
+    async def read():
+        return parse_fields(body)
+
+    return read
