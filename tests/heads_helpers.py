@@ -76,9 +76,10 @@ class HeadsModel:
         return np.stack(rows)
 
 
-def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
-    """The tiny AdapterHub model (adapterhub_models.build) with HEAD_TASKS' heads added, perturbed, saved by the library,
-    named in the spec, and the whole spec exported (fp32; ``live``: as a live artifact)."""
+def build_heads(root: Path, seed: int = 0, live: bool = False, leave_out: tuple[str, ...] = ()) -> HeadsModel:
+    """The tiny AdapterHub model (adapterhub_models.build) with HEAD_TASKS' heads added, perturbed, saved by the library
+    (heads/<task>, fusions/<task>), named in the spec, and the spec exported but for ``leave_out`` (fp32; ``live``: as a
+    live artifact, whose left-out tasks `fusionserve tasks add` can add)."""
     from adapters.composition import Fuse
 
     root.mkdir(parents=True, exist_ok=True)
@@ -114,5 +115,6 @@ def build_heads(root: Path, seed: int = 0, live: bool = False) -> HeadsModel:
     model.eval()
     (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     artifact = root / "artifact"
-    export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live)
+    tasks = [t for t in spec["tasks"] if t not in leave_out]
+    export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live, tasks=tasks)
     return HeadsModel(built, root / "model.yaml", artifact)

@@ -1,15 +1,18 @@
 """Heads beyond classification on a real `fusionserve serve` (Ray Serve, ONNX Runtime, HAProxy) on 127.0.0.1, over
-HTTP and gRPC, with the tiny model's heads saved by the real AdapterHub library: a regression task answers its value,
-a multiple-choice task its choice, each equal to AdapterHub's; requests of every kind sent together are answered from
-batches that mix them, each answer what it is alone; every bad input of a head is a typed 4xx (gRPC
-INVALID_ARGUMENT with the error type in the trailer) and the server goes on serving.
+HTTP and gRPC, with the tiny model's heads saved by the real AdapterHub library, exported live without the multiple-
+choice task: `fusionserve tasks add` adds that task while the server runs, and every replica serves it; a regression
+task answers its value and a multiple-choice task its choice, each equal to AdapterHub's; a tagging task's entities
+and a QA task's answers equal the Hugging Face pipelines' on AdapterHub's model; a request for tasks of three heads
+runs them in one batch, and requests of every kind sent together answer what they answer alone; every bad input of a
+head is a typed 4xx (gRPC INVALID_ARGUMENT with the error type in the trailer) and the server goes on serving.
 
-The server waits up to 400 ms for a batch to fill (--batch-wait-ms 400): requests sent together share a batch."""
+The server waits up to 400 ms for a batch to fill (--batch-wait-ms 400): a request that arrives meanwhile joins it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fusionserve.cli.main import main
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
@@ -33,7 +37,7 @@ THREE = ["the cat sat", "a good film", "it is boring"]
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory) -> HeadsModel:
-    return build_heads(tmp_path_factory.mktemp("heads-serving"))
+    return build_heads(tmp_path_factory.mktemp("heads-serving"), live=True, leave_out=("swag",))
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,37 @@ def server(heads, tmp_path_factory):
     yield served
     channel.close()
     stop(served)
+
+
+@pytest.fixture(scope="module")
+def swag_added(server, heads) -> tuple[int, int]:
+    """`fusionserve tasks add` of the multiple-choice task while the server runs; (revision before, after) once every
+    replica serves it."""
+    before = call(f"{server.url}/v1/tasks")[1]
+    assert "swag" not in before["tasks"]
+    root = heads.spec.parent
+    assert (
+        main(
+            [
+                "tasks",
+                "add",
+                str(heads.artifact),
+                "swag",
+                "--fusion",
+                str(root / "fusions/swag"),
+                "--head",
+                str(root / "heads/swag"),
+            ]
+        )
+        == 0
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = call(f"{server.url}/v1/tasks")[1]
+        if "swag" in now["tasks"]:
+            return before["revision"], now["revision"]
+        time.sleep(0.2)
+    raise AssertionError("the added task was not served within 60 s")
 
 
 def _classify(server, body: dict) -> tuple[int, dict]:
@@ -74,7 +109,14 @@ def test_regression_answers_its_value_over_http_and_grpc(server, heads):
     assert reply.predictions[0].label == "" and reply.predictions[0].score == pytest.approx(float(want[0]), abs=TOL)
 
 
-def test_multiple_choice_answers_its_choice_over_http_and_grpc(server, heads):
+def test_tasks_add_of_a_multiple_choice_head_on_the_running_server(server, swag_added):
+    before, after = swag_added
+    assert after == before + 1
+    about = call(f"{server.url}/v1/tasks")[1]["tasks"]["swag"]
+    assert (about["head"], about["num_choices"], about["input"]) == ("multiple_choice", 3, ["text", "choices"])
+
+
+def test_multiple_choice_answers_its_choice_over_http_and_grpc(server, heads, swag_added):
     want = heads.reference("swag", [(SENTENCES[2], THREE)])[0]
     status, body = _classify(server, {"task": "swag", "inputs": [{"text": SENTENCES[2], "choices": THREE}]})
     assert status == 200, body
@@ -87,12 +129,46 @@ def test_multiple_choice_answers_its_choice_over_http_and_grpc(server, heads):
     np.testing.assert_allclose(list(reply.predictions[0].scores), want, atol=TOL)
 
 
-def test_requests_of_every_kind_sent_together_share_batches_and_answer_as_alone(server):
+TAGGED = [SENTENCES[1], "the dog sat on a mat and the cat is not boring"]
+QUESTION = {"question": "what is not very fun", "context": " ".join(SENTENCES)}  # read in several windows
+
+
+@pytest.mark.parametrize("strategy", ["none", "simple", "first"])
+def test_tagging_answers_the_pipelines_entities_over_http_and_grpc(server, heads, strategy):
+    nlp = heads.pipeline("ner")
+    status, body = _classify(server, {"task": "ner", "inputs": TAGGED, "aggregation_strategy": strategy})
+    assert status == 200, body
+    key = "tokens" if strategy == "none" else "entities"
+    msg = pb.ClassifyRequest(task="ner", inputs=[pb.Input(text=t) for t in TAGGED], aggregation_strategy=strategy)
+    reply = server.stub.Classify(msg, metadata=METADATA, timeout=60)
+    for pred, grpc_pred, text in zip(body["predictions"], reply.predictions, TAGGED, strict=True):
+        theirs = nlp(text, aggregation_strategy=strategy)
+        over_grpc = getattr(grpc_pred, key)
+        assert len(pred[key]) == len(theirs) == len(over_grpc) and theirs, (pred, theirs)
+        for ours, by_grpc, want in zip(pred[key], over_grpc, theirs, strict=True):
+            assert {k: v for k, v in ours.items() if k != "score"} == {k: v for k, v in want.items() if k != "score"}
+            assert ours["score"] == pytest.approx(float(want["score"]), abs=1e-5) == by_grpc.score
+            assert all(getattr(by_grpc, k) == v for k, v in ours.items() if k != "score")
+
+
+def test_question_answering_answers_the_pipelines_answers_over_http_and_grpc(server, heads):
+    theirs = heads.pipeline("squad")(**QUESTION, top_k=2, max_seq_len=32)
+    status, body = _classify(server, {"task": "squad", "inputs": [QUESTION], "top_k": 2})
+    assert status == 200, body
+    ours = body["predictions"][0]
+    assert [(a["answer"], a["start"], a["end"]) for a in ours] == [(a["answer"], a["start"], a["end"]) for a in theirs]
+    np.testing.assert_allclose([a["score"] for a in ours], [a["score"] for a in theirs], atol=1e-5)
+    msg = pb.ClassifyRequest(task="squad", inputs=[pb.Input(**QUESTION)], top_k=2)
+    reply = server.stub.Classify(msg, metadata=METADATA, timeout=60)
+    assert [(a.answer, a.score, a.start, a.end) for a in reply.predictions[0].answers] == [tuple(a.values()) for a in ours]
+
+
+def test_requests_of_every_kind_sent_together_share_batches_and_answer_as_alone(server, swag_added):
     mc = {"text": SENTENCES[1], "choices": THREE}
     work = [
-        {"task": "rte", "inputs": [SENTENCES[0], SENTENCES[3]]},
-        {"task": "sts", "inputs": [SENTENCES[1]]},
+        {"tasks": ["rte", "sts", "ner"], "inputs": [SENTENCES[0], SENTENCES[3]]},  # three heads: its rows in one batch
         {"task": "swag", "inputs": [mc, {"text": SENTENCES[4], "choices": THREE[:2]}]},
+        {"task": "squad", "inputs": [QUESTION]},
         {"task": "sick", "inputs": [{"text": PAIRS[1][0], "text_pair": PAIRS[1][1]}]},
         {"tasks": ["sts", "alpha_only"], "inputs": [SENTENCES[2]]},
     ]
@@ -102,16 +178,27 @@ def test_requests_of_every_kind_sent_together_share_batches_and_answer_as_alone(
     with ThreadPoolExecutor(len(work)) as pool:
         together = list(pool.map(lambda body: _classify(server, body), work))
     after = _batches_of_tasks(server)
-    for (status, got), (_, want), body in zip(together, alone, work, strict=True):
+    for (status, got), (_, want) in zip(together, alone, strict=True):
         assert status == 200, got
-        for g, w in zip(got.get("results", [got]), want.get("results", [want]), strict=True):
-            for p, q in zip(g["predictions"], w["predictions"], strict=True):
-                assert p.get("label") == q.get("label") and p.get("choice") == q.get("choice"), (body, p, q)
-                np.testing.assert_allclose(
-                    p["score"] if "score" in p else p["scores"], q["score"] if "score" in q else q["scores"], atol=TOL
-                )
+        _same(got, want)
     new = {le: after[le] - before.get(le, 0) for le in after}  # batches of the concurrent requests, by tasks held
     assert new[float("inf")] - new[2.0] >= 1, (before, after)  # at least one batch held 3 tasks or more
+
+
+def _same(a: object, b: object) -> None:
+    """Equal answers: the same structure, strings and integers; floats within TOL."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (a, b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, abs=TOL)
+    else:
+        assert a == b
 
 
 BAD = {  # what is sent -> (HTTP status, error type, what the message says)
@@ -126,11 +213,19 @@ BAD = {  # what is sent -> (HTTP status, error type, what the message says)
         {"task": "rte", "inputs": ["a"], "aggregation_strategy": "maximal"}, 422, "invalid_option", "is not known",
     ),
     "choices over the limit": ({"task": "swag", "inputs": [{"text": "a", "choices": ["x"] * 17}]}, 413, "too_many_inputs", "17 rows"),
+    "a pair to tag": ({"task": "ner", "inputs": [{"text": "a", "text_pair": "b"}]}, 422, "invalid_input", "it tags one text"),
+    "raw scores of QA": (
+        {"task": "squad", "inputs": [QUESTION], "raw_scores": True}, 422, "invalid_option", "raw_scores: task 'squad'",
+    ),
+    "windows over the limit": (
+        {"task": "squad", "inputs": [{"question": "who", "context": " ".join(SENTENCES * 12)}]}, 413, "too_many_inputs",
+        "inputs[0] makes 37",
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("body, status, kind, says", BAD.values(), ids=BAD.keys())
-def test_bad_inputs_are_typed_4xx_over_http_and_grpc(server, body, status, kind, says):
+def test_bad_inputs_are_typed_4xx_over_http_and_grpc(server, swag_added, body, status, kind, says):
     got, answer = _classify(server, body)
     assert (got, answer["error"]["type"]) == (status, kind) and says in answer["error"]["message"], answer
     inputs = [pb.Input(text=i) if isinstance(i, str) else pb.Input(**i) for i in body["inputs"]]
@@ -143,14 +238,15 @@ def test_bad_inputs_are_typed_4xx_over_http_and_grpc(server, body, status, kind,
     assert _classify(server, {"task": "sts", "inputs": ["still serving"]})[0] == 200
 
 
-def test_tasks_name_their_heads(server):
+def test_tasks_name_their_heads(server, swag_added):
     status, body = call(f"{server.url}/v1/tasks")
     tasks = body["tasks"]
     assert status == 200 and body["max_choices"] == 64
-    assert {n: t["head"] for n, t in tasks.items() if n in ("rte", "sts", "swag")} == {
-        "rte": "classification", "sts": "regression", "swag": "multiple_choice",
+    assert {n: t["head"] for n, t in tasks.items() if n in ("rte", "sts", "swag", "ner", "squad")} == {
+        "rte": "classification", "sts": "regression", "swag": "multiple_choice", "ner": "tagging",
+        "squad": "question_answering",
     }  # fmt: skip
-    assert tasks["swag"]["input"] == ["text", "choices"] and tasks["swag"]["num_choices"] == 3
+    assert tasks["ner"]["options"] == ["aggregation_strategy"] and tasks["squad"]["input"] == ["question", "context"]
 
 
 def test_tei_routes_refuse_a_default_task_that_is_not_classification(heads):
