@@ -3,8 +3,10 @@ heads added and saved by the real AdapterHub library, exported; AdapterHub's own
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,15 +47,25 @@ class HeadsModel:
                 fusion.T = 1.0
         return model
 
-    def pipeline(self, task: str) -> object:
+    def pipeline(self, task: str) -> Callable[..., Any]:
         """The Hugging Face pipeline of ``task``'s kind on AdapterHub's own model (``token-classification`` for tagging,
-        ``question-answering`` for QA); transformers' complaint that it does not know the model class is silenced."""
+        ``question-answering`` for QA), making the model compute ``task`` at each call (the heads share one model)."""
         from transformers import pipeline
         from transformers.utils import logging
 
-        logging.set_verbosity_error()
         kind = "token-classification" if HEAD_TASKS[task][0] == "tagging" else "question-answering"
-        return pipeline(kind, model=self.activate(task), tokenizer=self.built.tokenizer, device="cpu")
+        was = logging.get_verbosity()
+        logging.set_verbosity(logging.CRITICAL)  # it says, at ERROR, that it does not know the class of the model
+        try:
+            nlp = pipeline(kind, model=self.activate(task), tokenizer=self.built.tokenizer, device="cpu")
+        finally:
+            logging.set_verbosity(was)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.activate(task)
+            return nlp(*args, **kwargs)
+
+        return run
 
     def reference(self, task: str, texts: list, **encode: object) -> np.ndarray:
         """AdapterHub's own logits for ``task`` (one of HEAD_TASKS) on ``texts`` (strings or (text, pair) tuples);

@@ -191,3 +191,98 @@ def test_evaluate_reports_correlation_for_regression_and_accuracy_for_multiple_c
     out = capsys.readouterr()
     assert out.out.strip() == "swag (multiple_choice): accuracy 75.00% over 4 examples", out.out
     assert "'label' must be the right choice's index 0..2 or its text, got 3" in out.err
+
+
+TAGGED = [SENTENCES[1], "the dog sat on a mat and the cat is not boring"]
+QUESTION = {"question": "what is not very fun", "context": " ".join(SENTENCES)}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_score_writes_tagging_entities_and_qa_answers_as_the_pipelines_give_them(heads, tmp_path, fmt):
+    rows = [{"text": t, **QUESTION} for t in TAGGED] + [{"text": TAGGED[0], "question": "who"}]  # the last: no context
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / f"out.{fmt}"
+    argv = ["score", str(heads.artifact), "--task", "ner", "--task", "squad", "--input", str(src), "--output", str(out)]
+    assert main([*argv, "--aggregation-strategy", "simple", "--top-k", "2"]) == 1  # one bad row
+    if fmt == "parquet":
+        got = pq.read_table(out).to_pylist()
+    elif fmt == "csv":
+        got = [
+            {k: json.loads(v) if k in ("ner_entities", "squad_answers") else v for k, v in r.items()}
+            for r in csv.DictReader(out.open())
+        ]
+    else:
+        got = [json.loads(line) for line in out.read_text().splitlines()]
+    cols = ["ner_entities", "squad_answer", "squad_score", "squad_start", "squad_end", "squad_answers"]
+    assert len(got) == 2 and list(got[0])[-len(cols) :] == cols
+    nlp, qa = heads.pipeline("ner"), heads.pipeline("squad")
+    answers = qa(**QUESTION, top_k=2, max_seq_len=32)
+    for row, text in zip(got, TAGGED, strict=True):
+        want = nlp(text, aggregation_strategy="simple")
+        assert [{k: v for k, v in e.items() if k != "score"} for e in row["ner_entities"]] == [
+            {k: (int(v) if k in ("start", "end") else v) for k, v in e.items() if k != "score"} for e in want
+        ]
+        assert [a["answer"] for a in row["squad_answers"]] == [a["answer"] for a in answers]
+        assert (row["squad_answer"], int(row["squad_start"])) == (answers[0]["answer"], answers[0]["start"])
+        assert float(row["squad_score"]) == pytest.approx(answers[0]["score"], abs=1e-5)
+    errors = (tmp_path / f"out.{fmt}.errors.jsonl").read_text().splitlines()
+    assert [json.loads(e) for e in errors] == [{"row": 3, "error": "missing field 'context'"}]
+
+
+def test_predict_writes_tokens_and_answers(heads, tmp_path, capsys):
+    assert main(["predict", str(heads.artifact), "--task", "ner", "--text", TAGGED[1], "--aggregation-strategy", "max"]) == 0
+    entities = json.loads(capsys.readouterr().out)["entities"]
+    want = heads.pipeline("ner")(TAGGED[1], aggregation_strategy="max")
+    assert [e["word"] for e in entities] == [e["word"] for e in want] and entities
+    argv = [
+        "predict",
+        str(heads.artifact),
+        "--task",
+        "squad",
+        "--question",
+        QUESTION["question"],
+        "--context",
+        QUESTION["context"],
+    ]
+    assert main(argv) == 0
+    line = json.loads(capsys.readouterr().out)
+    best = heads.pipeline("squad")(**QUESTION, max_seq_len=32)
+    assert (line["answer"], line["start"], line["end"]) == (best["answer"], best["start"], best["end"])
+    src = _jsonl(tmp_path / "qa.jsonl", [QUESTION, {"question": "who"}, {"text": "not a question"}])
+    assert main(["predict", str(heads.artifact), "--task", "squad", "--input", str(src), "--top-k", "3"]) == 1
+    first, no_context, a_text = (json.loads(x) for x in capsys.readouterr().out.splitlines())
+    assert len(first["answers"]) == 3 and first["answers"][0]["answer"] == best["answer"]
+    assert no_context == {
+        "line": 2,
+        "error": 'missing field \'context\': a question-answering input is {"question": ..., "context": ...}',
+    }
+    assert a_text["line"] == 3 and "task 'squad' is question_answering" in a_text["error"]
+
+
+def test_evaluate_reports_entity_f1_for_tagging_and_exact_match_for_qa(heads, tmp_path, capsys):
+    words = TAGGED[1].split()
+    pred = [e for e in heads.pipeline("ner")(TAGGED[1], aggregation_strategy="first")]
+    tags = ["O"] * len(words)  # the model's own entities (first piece per word) as gold: F1 100
+    starts = {sum(len(w) + 1 for w in words[:i]): i for i in range(len(words))}
+    for e in pred:
+        first = starts[e["start"]]
+        last = max(i for s, i in starts.items() if s < e["end"])
+        tags[first : last + 1] = [f"B-{e['entity_group']}"] + [f"I-{e['entity_group']}"] * (last - first)
+    lines = [{"tokens": words, "tags": tags}, {"tokens": words, "tags": ["O"] * (len(words) - 1)}]
+    src = _jsonl(tmp_path / "ner.jsonl", lines)
+    assert main(["evaluate", str(heads.artifact), "--task", "ner", "--input", str(src), "--json"]) == 0
+    out = capsys.readouterr()
+    got = json.loads(out.out)
+    assert pred and (got["head"], got["examples"], got["f1"], got["precision"], got["recall"]) == (
+        "tagging",
+        1,
+        100.0,
+        100.0,
+        100.0,
+    )
+    assert "'tags' must be a list of one tag per word" in out.err
+    best = heads.pipeline("squad")(**QUESTION, max_seq_len=32)["answer"]
+    lines = [{**QUESTION, "answers": [best]}, {**QUESTION, "answers": {"text": ["certainly not this"], "answer_start": [0]}}]
+    src = _jsonl(tmp_path / "qa.jsonl", lines)
+    assert main(["evaluate", str(heads.artifact), "--task", "squad", "--input", str(src)]) == 0
+    assert capsys.readouterr().out.startswith("squad (question_answering): exact_match 50.00%, f1 50.00% over 2 examples")
