@@ -156,16 +156,18 @@ def answer(
     candidates = 2 * top_k + 10 if align_to_words else top_k  # some spans map to the same words
     null_score = _NULL_START
     answers: list[dict[str, Any]] = []
+    by_text: dict[str, dict[str, Any]] = {}  # lower-cased text -> the answer first found with it (the pipeline scans a list)
     for w, start, end in zip(windows, start_logits, end_logits, strict=True):
         starts, ends, scores, null_score = _spans(w, start, end, null_score, candidates, max_answer_len, handle_impossible_answer)
         for s, e, score in zip(starts, ends, scores, strict=True):
             first, last = _chars(w, int(s), int(e), align_to_words)
             text = context[first:last]
-            same = next((a for a in answers if a["answer"].lower() == text.lower()), None)
+            same = by_text.get(text.lower())
             if same is not None:
                 same["score"] += score.item()
             else:
-                answers.append({"answer": text, "score": score.item(), "start": first, "end": last})
+                by_text[text.lower()] = {"answer": text, "score": score.item(), "start": first, "end": last}
+                answers.append(by_text[text.lower()])
     if handle_impossible_answer:
         answers.append({"answer": "", "score": null_score, "start": 0, "end": 0})
     best = sorted(answers, key=lambda a: a["score"], reverse=True)[:top_k]
