@@ -230,3 +230,11 @@ def test_answers_with_the_same_text_in_another_case_are_one_answer(tmp_path: Pat
     paris = [a for a in both if a["answer"].lower() == "paris"]
     assert len(paris) == 1 and (paris[0]["start"], paris[0]["end"]) in {(0, 5), (21, 26)}  # where it was found first
     assert paris[0] is both[0] and paris[0]["score"] == pytest.approx(0.5, abs=1e-3)  # 0.25 + 0.25
+
+
+def test_a_context_the_tokenizer_keeps_nothing_of_is_an_input_error(tmp_path: Path):
+    """Combining accents alone: an uncased WordPiece strips them, no token is left to answer from."""
+    tok = artifact_tokenizer(hf_tokenizer("wordpiece"), tmp_path)
+    with pytest.raises(InputError, match="'context' holds nothing the tokenizer keeps"):
+        windows(tok, "q?", "\u0301\u0301", 48)
+    assert windows(tok, "q?", "e\u0301", 48)[0].context_mask.sum() == 1

@@ -81,8 +81,8 @@ def windows(tokenizer: Tokenizer, question: str, context: str, max_length: int, 
     """The windows the pair is read in (see the module), in context order; ``doc_stride`` defaults to
     ``default_doc_stride(max_length)``. The question is never cut (the pipeline's fast path does not cut it either).
 
-    Raises InputError for an empty question or context, a doc_stride out of range, or a question so long that a
-    window leaves no more than ``doc_stride`` tokens for the context."""
+    Raises InputError for an empty question or context (or one of which the tokenizer keeps nothing), a doc_stride
+    out of range, or a question so long that a window leaves no more than ``doc_stride`` tokens for the context."""
     for name, text in (("question", question), ("context", context)):
         if not isinstance(text, str) or not meaningful(text):
             raise InputError(f"{name!r} must be a non-empty string, got {text!r:.80}")
@@ -103,6 +103,8 @@ def windows(tokenizer: Tokenizer, question: str, context: str, max_length: int, 
             )
         tok.enable_truncation(max_length, stride=stride, strategy="only_second", direction="right")
         pair = tok.encode(question, context)
+    if 1 not in pair.sequence_ids:  # e.g. only combining accents, which an uncased tokenizer strips
+        raise InputError(f"'context' holds nothing the tokenizer keeps, got {context!r:.80}")
     return [_window(e) for e in [pair, *pair.overflowing]]
 
 
