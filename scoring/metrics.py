@@ -15,8 +15,10 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+Values = Sequence[float] | np.ndarray  # a list of numbers or a 1-D array
 
-def _paired(gold: Sequence, pred: Sequence, what: str, least: int = 1) -> None:
+
+def _paired(gold: Sequence | np.ndarray, pred: Sequence | np.ndarray, what: str, least: int = 1) -> None:
     if len(gold) != len(pred):
         raise ValueError(f"{len(gold)} gold {what} and {len(pred)} predictions: they must pair up one to one")
     if len(gold) < least:
@@ -32,7 +34,7 @@ def accuracy(gold: Sequence[Hashable], pred: Sequence[Hashable]) -> float:
 # --- regression ------------------------------------------------------------------------------------------------
 
 
-def pearson(gold: Sequence[float], pred: Sequence[float]) -> float:
+def pearson(gold: Values, pred: Values) -> float:
     """Pearson's r; NaN where it is undefined (a constant series or a NaN value), as scipy.stats.pearsonr gives."""
     _paired(gold, pred, "values", least=2)
     x, y = np.asarray(gold, dtype=np.float64), np.asarray(pred, dtype=np.float64)
@@ -45,7 +47,7 @@ def pearson(gold: Sequence[float], pred: Sequence[float]) -> float:
     return float(np.clip((dx @ dy) / scale, -1.0, 1.0))
 
 
-def rank(values: Sequence[float]) -> np.ndarray:
+def rank(values: Values) -> np.ndarray:
     """Ranks from 1, ties given the mean of the ranks they span (scipy.stats.rankdata's "average")."""
     x = np.asarray(values, dtype=np.float64)
     order = np.argsort(x, kind="stable")
@@ -58,7 +60,7 @@ def rank(values: Sequence[float]) -> np.ndarray:
     return ranks
 
 
-def spearman(gold: Sequence[float], pred: Sequence[float]) -> float:
+def spearman(gold: Values, pred: Values) -> float:
     """Spearman's rho: Pearson's r of the ranks (ties averaged); NaN where undefined, as scipy.stats.spearmanr."""
     _paired(gold, pred, "values", least=2)
     x, y = np.asarray(gold, dtype=np.float64), np.asarray(pred, dtype=np.float64)

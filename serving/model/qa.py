@@ -81,8 +81,8 @@ def windows(tokenizer: Tokenizer, question: str, context: str, max_length: int, 
     """The windows the pair is read in (see the module), in context order; ``doc_stride`` defaults to
     ``default_doc_stride(max_length)``. The question is never cut (the pipeline's fast path does not cut it either).
 
-    Raises InputError for an empty question or context, a doc_stride out of range, or a question so long that a
-    window leaves no more than ``doc_stride`` tokens for the context."""
+    Raises InputError for an empty question or context (or one of which the tokenizer keeps nothing), a doc_stride
+    out of range, or a question so long that a window leaves no more than ``doc_stride`` tokens for the context."""
     for name, text in (("question", question), ("context", context)):
         if not isinstance(text, str) or not meaningful(text):
             raise InputError(f"{name!r} must be a non-empty string, got {text!r:.80}")
@@ -103,6 +103,8 @@ def windows(tokenizer: Tokenizer, question: str, context: str, max_length: int, 
             )
         tok.enable_truncation(max_length, stride=stride, strategy="only_second", direction="right")
         pair = tok.encode(question, context)
+    if 1 not in pair.sequence_ids:  # e.g. only combining accents, which an uncased tokenizer strips
+        raise InputError(f"'context' holds nothing the tokenizer keeps, got {context!r:.80}")
     return [_window(e) for e in [pair, *pair.overflowing]]
 
 
@@ -156,16 +158,18 @@ def answer(
     candidates = 2 * top_k + 10 if align_to_words else top_k  # some spans map to the same words
     null_score = _NULL_START
     answers: list[dict[str, Any]] = []
+    by_text: dict[str, dict[str, Any]] = {}  # lower-cased text -> the answer first found with it (the pipeline scans a list)
     for w, start, end in zip(windows, start_logits, end_logits, strict=True):
         starts, ends, scores, null_score = _spans(w, start, end, null_score, candidates, max_answer_len, handle_impossible_answer)
         for s, e, score in zip(starts, ends, scores, strict=True):
             first, last = _chars(w, int(s), int(e), align_to_words)
             text = context[first:last]
-            same = next((a for a in answers if a["answer"].lower() == text.lower()), None)
+            same = by_text.get(text.lower())
             if same is not None:
                 same["score"] += score.item()
             else:
-                answers.append({"answer": text, "score": score.item(), "start": first, "end": last})
+                by_text[text.lower()] = {"answer": text, "score": score.item(), "start": first, "end": last}
+                answers.append(by_text[text.lower()])
     if handle_impossible_answer:
         answers.append({"answer": "", "score": null_score, "start": 0, "end": 0})
     best = sorted(answers, key=lambda a: a["score"], reverse=True)[:top_k]
