@@ -130,3 +130,10 @@ def build_heads(root: Path, seed: int = 0, live: bool = False, leave_out: tuple[
     tasks = [t for t in spec["tasks"] if t not in leave_out]
     export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live, tasks=tasks)
     return HeadsModel(built, root / "model.yaml", artifact)
+
+
+if __name__ == "__main__":  # python -m tests.heads_helpers DIR: the tiny model with every head, exported (the guide's demo)
+    import sys
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "heads-demo")
+    print(build_heads(out).artifact)
