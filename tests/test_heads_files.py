@@ -286,3 +286,30 @@ def test_evaluate_reports_entity_f1_for_tagging_and_exact_match_for_qa(heads, tm
     src = _jsonl(tmp_path / "qa.jsonl", lines)
     assert main(["evaluate", str(heads.artifact), "--task", "squad", "--input", str(src)]) == 0
     assert capsys.readouterr().out.startswith("squad (question_answering): exact_match 50.00%, f1 50.00% over 2 examples")
+
+
+def test_predict_with_the_spec_runs_every_head_as_the_artifact_does(heads, tmp_path, capsys):
+    """A spec runs on the PyTorch model: its tasks have the heads the checkpoints have (they read as classification,
+    or regression by label count, before: a multiple-choice input was refused, a tagging task took no strategy)."""
+    rows = [{"text": SENTENCES[0], "choices": THREE}, QUESTION, {"text": TAGGED[1]}]
+    for task, row, options in [
+        ("swag", rows[0], []),
+        ("squad", rows[1], []),
+        ("ner", rows[2], ["--aggregation-strategy", "first"]),
+    ]:
+        src = _jsonl(tmp_path / f"{task}.jsonl", [row])
+        lines = []
+        for model in (heads.artifact, heads.spec):
+            assert main(["predict", str(model), "--task", task, "--input", str(src), *options]) == 0
+            lines.append(json.loads(capsys.readouterr().out))
+        onnx, torch_line = lines
+        assert onnx.keys() == torch_line.keys()
+        for key in onnx:
+            if key == "entities":
+                assert [x["word"] for x in onnx[key]] == [x["word"] for x in torch_line[key]]
+            elif key == "score":  # QA: which windows' spans make the candidates moves with logits 1e-6 apart (random heads)
+                assert onnx[key] > 0 and torch_line[key] > 0
+            elif key in ("scores", "logits"):
+                np.testing.assert_allclose(onnx[key], torch_line[key], atol=TOL)
+            else:
+                assert onnx[key] == torch_line[key], key
