@@ -313,3 +313,30 @@ def test_predict_with_the_spec_runs_every_head_as_the_artifact_does(heads, tmp_p
                 np.testing.assert_allclose(onnx[key], torch_line[key], atol=TOL)
             else:
                 assert onnx[key] == torch_line[key], key
+
+
+@pytest.mark.slow
+def test_score_on_ray_data_writes_what_the_local_run_writes_for_every_head(heads, tmp_path):
+    import ray
+
+    from fusionserve.scoring.config import ScoreConfig
+    from fusionserve.scoring.score import score_file
+
+    rows = [{"text": t, "choices": THREE, **QUESTION} for t in TAGGED * 3] + [{"text": "x", "choices": ["one"], **QUESTION}]
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    options = {"task": ("ner", "swag", "squad", "sts"), "aggregation_strategy": "average", "top_k": 2, "all_scores": True,
+               "progress": False, "chunk_size": 4}  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for out in ("out.parquet", "out.jsonl"):
+            a = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"local-{out}", **options))
+            b = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"ray-{out}", ray=True, **options))
+            assert (a.scored, a.failed) == (b.scored, b.failed) == (6, 1)
+            local, remote = tmp_path / f"local-{out}", tmp_path / f"ray-{out}"
+            if out.endswith(".parquet"):
+                assert pq.read_table(remote).equals(pq.read_table(local))
+                assert "list<element: struct<entity_group: string" in str(pq.read_schema(local).field("ner_entities").type)
+            else:
+                assert remote.read_bytes() == local.read_bytes()
+    finally:
+        ray.shutdown()
