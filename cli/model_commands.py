@@ -56,7 +56,8 @@ def add_export(sub: Any) -> None:
         choices=["full", "quick"],
         default="full",
         help="full: every task at every (batch, sequence) of the grid; quick: the whole grid for one task of each kind "
-        "and one padded case for every other task (default full)",
+        "(fusion, adapter, head only; sequence- and token-level heads apart) and one padded case for every other task "
+        "(default full)",
     )
     ex.add_argument(
         "--live",

@@ -20,7 +20,12 @@ def add_tasks(sub: Any) -> None:
     what = add.add_mutually_exclusive_group()
     what.add_argument("--fusion", type=Path, help="AdapterHub fusion folder (save_adapter_fusion) over the artifact's adapters")
     what.add_argument("--adapter", help="one adapter the artifact holds (a single-adapter task)")
-    add.add_argument("--head", type=Path, required=True, help="AdapterHub classification head folder (save_head)")
+    add.add_argument(
+        "--head",
+        type=Path,
+        required=True,
+        help="AdapterHub head folder (save_head): classification, regression, multiple choice, tagging or question answering",
+    )
     add.add_argument("--replace", action="store_true", help="swap the weights of the existing task of this name")
     add.add_argument("--spec", type=Path, help="the export's spec, where the manifest's recorded path no longer holds it")
     add.set_defaults(run=run_add, needs="export")

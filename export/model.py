@@ -206,20 +206,22 @@ class FusionModel(nn.Module):
         elif tables is not None:
             logits = self._live_heads("sequence", cls, task_id, tables)
         else:
-            logits = self._gathered("sequence", [self._padded(i, h[:, 0], cls) for i in self.levels["sequence"]], task_id)
+            outs = [self._padded(i, h[:, 0], cls) for i in self.levels["sequence"]]
+            logits = self._gathered("sequence", outs, task_id.expand(input_ids.shape[0]))
         out = (logits, torch.stack(acts, dim=1))  # (batch, max_labels), (batch, sites, seq, n_adapters)
         if not self.levels["token"]:
             return out
         if tables is not None:
             return (*out, self._live_heads("token", h, task_id, tables))
-        return (*out, self._gathered("token", [self._padded(i, h, h) for i in self.levels["token"]], task_id))  # (b, s, w)
+        outs = [self._padded(i, h, h) for i in self.levels["token"]]
+        return (*out, self._gathered("token", outs, task_id.expand(input_ids.shape[0])))  # (batch, seq, token_width)
 
-    def _gathered(self, level: str, outs: list[torch.Tensor], task_id: torch.Tensor) -> torch.Tensor:
-        """Each row's own task's output among ``outs`` (one per head of ``level``, every row through each)."""
+    def _gathered(self, level: str, outs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """Each row's own task's output among ``outs`` (one per head of ``level``, every row through each); ``rows``:
+        (batch,) each row's task (task_id expanded: one task for all, or one per row)."""
         stacked = torch.stack(outs)  # (heads, batch, [seq,] width)
         if len(outs) == 1:
             return stacked[0]
-        rows = task_id.expand(stacked.shape[1])  # (batch,): one task for all, or one per row
         if hasattr(self, f"{level}_slot"):  # heads of both levels: the task's place among its level's heads
             rows = getattr(self, f"{level}_slot").index_select(0, rows)
         pick = rows.reshape(1, -1, *([1] * (stacked.dim() - 2))).expand(1, -1, *stacked.shape[2:])  # (1, batch, ...)

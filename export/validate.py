@@ -25,8 +25,8 @@ TOLERANCES: dict[str, dict[str, float | None]] = {
 BATCH_SIZES = (1, 3, 8)
 SEQ_LENS = (5, 37, 128)
 GRIDS = ("full", "quick")
-# quick: the whole grid for one task of each kind (fusion, adapter, head), one padded case for every other task;
-# every task's folded weights still run, and each kind's code path sees every shape
+# quick: the whole grid for one task of each kind (fusion, adapter, head) and head level (sequence, token), one padded
+# case for every other task; every task's folded weights still run, and each kind's code path sees every shape
 QUICK_CASE = (3, 37)
 
 
@@ -111,9 +111,9 @@ def _plan(model: FusionModel, max_seq_len: int, grid: str) -> list[tuple[str, li
     cases = grid_inputs(model.backbone.vocab_size, max_seq_len)
     if grid == "full":
         return [(task, cases) for task in model.task_index]
-    first_of_kind: dict[str, str] = {}
+    first_of_kind: dict[tuple[str, str], str] = {}
     for task, info in model.infos.items():
-        first_of_kind.setdefault(info.kind, task)
+        first_of_kind.setdefault((info.kind, info.level), task)
     batch, seq = QUICK_CASE[0], min(QUICK_CASE[1], max_seq_len)
     one = [c for c in cases if c[0] == batch and c[1] == seq] or cases[:1]
     return [(task, cases if task in first_of_kind.values() else one) for task in model.task_index]

@@ -34,7 +34,14 @@ CONTEXTS = [
 
 
 def task(head: str, how: str) -> str:
+    """The spec's task serving ``head`` fused ("fused") or over the single adapter ("single")."""
     return f"{head}_{how}"
+
+
+def kind(name: str) -> str:
+    """The head kind of task ``name``."""
+    head = name.rsplit("_", 1)[0]
+    return HEADS[head][0] if head in HEADS else "classification"
 
 
 @dataclass
@@ -42,46 +49,57 @@ class HeadKinds:
     spec: Path
     reference: torch.nn.Module  # the adapters library's model holding these heads and the adapters/fusion
     tokenizer: Any
+    classification: str  # the library model's classification head that task "label_fused" serves
 
-    def activate(self, name: str) -> None:
-        """Make the library's model compute task ``name`` (``task(head, how)``)."""
+    def activate(self, head: str, adapters: tuple[str, ...] | str) -> None:
+        """Make the library's model compute ``head`` over Fuse(*adapters), or over the one adapter named."""
         from adapters.composition import Fuse
         from adapters.methods.modeling import BertFusion
 
-        head, how = name.rsplit("_", 1)
-        self.reference.set_active_adapters(Fuse(*FUSED) if how == "fused" else SINGLE)
+        self.reference.set_active_adapters(Fuse(*adapters) if isinstance(adapters, tuple) else adapters)
         self.reference.active_head = head
         for module in self.reference.modules():  # the library anneals T even in eval; a trained model sits at 1
             if isinstance(module, BertFusion):
                 module.T = 1.0
 
-    def outputs(self, name: str, batch: dict[str, torch.Tensor]) -> np.ndarray:
-        """AdapterHub's output of task ``name`` on ``batch``, as fusionserve's model gives it: (batch, 1) for regression;
-        (batch, seq, labels) for tagging; (batch, seq, 2) start and end for QA. Multiple choice: see ``choices``."""
-        self.activate(name)
+    def setup(self, name: str) -> tuple[str, tuple[str, ...] | str]:
+        """(head, adapters) of the spec's task ``name``."""
+        head, how = name.rsplit("_", 1)
+        return (self.classification if head == "label" else head), (FUSED if how == "fused" else SINGLE)
+
+    def outputs(self, name: str, batch: dict[str, torch.Tensor], adapters: tuple[str, ...] | str | None = None) -> np.ndarray:
+        """AdapterHub's output of task ``name`` (or of its head over ``adapters``) on ``batch``, as fusionserve's model
+        gives it: (batch, labels), (batch, 1) for regression; (batch, seq, labels) for tagging; (batch, seq, 2) start and
+        end for QA. Multiple choice: see ``choices``."""
+        head, own = self.setup(name)
+        self.activate(head, own if adapters is None else adapters)
         with torch.no_grad():
             out = self.reference(**batch)
-        if HEADS[name.rsplit("_", 1)[0]][0] == "question_answering":
+        if kind(name) == "question_answering":
             return torch.stack([out.start_logits, out.end_logits], dim=-1).numpy()
         return out.logits.numpy()
 
-    def choices(self, name: str, contexts: list = CONTEXTS, **encode: Any) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    def choices(
+        self, name: str, contexts: list = CONTEXTS, adapters: tuple[str, ...] | str | None = None, **encode: Any
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         """(rows, AdapterHub's logits (questions, choices)): every (context, choice) pair as one row, as the library's
         multiple-choice head takes them: (questions, choices, seq), reshaped."""
         firsts = [c for c, options in contexts for _ in options]
         seconds = [o for _, options in contexts for o in options]
         rows = dict(self.tokenizer(firsts, seconds, padding=True, return_tensors="pt", **encode))
         per_question = {k: v.reshape(len(contexts), -1, v.shape[-1]) for k, v in rows.items()}
-        self.activate(name)
+        head, own = self.setup(name)
+        self.activate(head, own if adapters is None else adapters)
         with torch.no_grad():
             logits = self.reference(**per_question).logits.numpy()
         return rows, logits
 
 
-def add_heads(model: Any, root: Path, tokenizer: Any, seed: int = 0) -> HeadKinds:
+def add_heads(model: Any, root: Path, tokenizer: Any, classification: str, seed: int = 0) -> HeadKinds:
     """Add HEADS to the library's ``model`` (holding adapters alpha, beta, gamma and the fusion of all three, saved under
     root/adapters and root/fusions/<fusion>), move them from their init, save them with ``save_head`` under
-    root/heads/<name> and write root/heads.yaml: per head one fused and one single-adapter task."""
+    root/heads/<name> and write root/heads.yaml: per head one fused and one single-adapter task, and the classification
+    head ``classification`` (saved under root/heads) fused as task "label_fused": every kind in one spec."""
     gen = torch.Generator().manual_seed(seed + 11)
     for name, (_, method, kwargs) in HEADS.items():
         if name not in model.heads:
@@ -91,13 +109,14 @@ def add_heads(model: Any, root: Path, tokenizer: Any, seed: int = 0) -> HeadKind
                     param.add_(torch.randn(param.shape, generator=gen) * 0.3)
         model.save_head(str(root / "heads" / name), name)
     model.eval()
-    fusion = next(p for p in (root / "fusions").iterdir() if p.is_dir() and _fuses(p) == FUSED)
+    fusion = next(p for p in sorted((root / "fusions").iterdir()) if p.is_dir() and _fuses(p) == FUSED)
     spec: dict[str, Any] = {"base_model": "base", "adapters": {a: f"adapters/{a}" for a in FUSED}, "tasks": {}}
+    spec["tasks"]["label_fused"] = {"head": f"heads/{classification}", "fusion": f"fusions/{fusion.name}"}
     for name in HEADS:
         spec["tasks"][task(name, "fused")] = {"head": f"heads/{name}", "fusion": f"fusions/{fusion.name}"}
         spec["tasks"][task(name, "single")] = {"head": f"heads/{name}", "adapter": SINGLE}
     (root / "heads.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    return HeadKinds(root / "heads.yaml", model, tokenizer)
+    return HeadKinds(root / "heads.yaml", model, tokenizer, classification)
 
 
 def _fuses(folder: Path) -> tuple[str, ...]:

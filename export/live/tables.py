@@ -166,7 +166,7 @@ def write_first_revision(
     folder: Path, spec: ModelSpec, model: FusionModel, session: Any, checks: dict[str, Any]
 ) -> dict[str, Any]:
     """Revision 0 of a live export (``session``: the graph's): every task's file, the revision document, the pointer;
-    returns the manifest's 'live' record (the tables, the one head form, the logits' width)."""
+    returns the manifest's 'live' record (``live_record``)."""
     specs = table_specs(session)
     tasks = {}
     for (name, index), slices in zip(model.task_index.items(), graph_tables(model, specs), strict=True):

@@ -212,7 +212,7 @@ def render_manifest(manifest: dict[str, Any]) -> str:
             "adapter": f"adapter {', '.join(t['adapters'])}",
             "head": "head only",
         }
-        lines.append(f"  {name:<{width}} {what.get(t['kind'], t['kind'])}; labels: {', '.join(t['labels'])}")
+        lines.append(f"  {name:<{width}} {what.get(t['kind'], t['kind'])}; {describe_head(t)}")
     pruning = manifest.get("pruning")
     if pruning:
         lines.append(f"pruned      {pruning['rule']['summary']} (activations: {pruning['stats']['path']})")
@@ -220,6 +220,21 @@ def render_manifest(manifest: dict[str, Any]) -> str:
             for layer, kept in enumerate(t["kept_per_layer"]):
                 lines.append(f"  {task} L{layer}: {', '.join(kept) or '- (fusion dropped)'}")
     return "\n".join(lines)
+
+
+def describe_head(task: dict[str, Any]) -> str:
+    """A task's head (a manifest's or a revision's task entry) for a terminal: its kind beyond classification, and its
+    labels where it has label names."""
+    entry = task_entries({"t": {**task, "index": 0}}, Path(MANIFEST))["t"]
+    if entry.head == "regression":
+        return "head regression (one value)"
+    if entry.head == "multiple_choice":
+        trained = f", trained on {entry.num_choices} choices" if entry.num_choices else ""
+        return f"head multiple_choice (one logit per (context, choice) row{trained})"
+    if entry.head == "question_answering":
+        return "head question_answering (start and end logits per token)"
+    labels = f"labels: {', '.join(entry.labels)}"
+    return f"head tagging (per token); {labels}" if entry.head == "tagging" else labels  # classification: as ever
 
 
 def render_int8(record: dict[str, Any] | None) -> list[str]:
@@ -237,9 +252,27 @@ def render_int8(record: dict[str, Any] | None) -> list[str]:
         "int8        quantized "
         + ", ".join(f"{op} {n}/{q['of'][op]}" for op, n in q["quantized"].items())
         + f" ({q['weights']}); fp32: {kept}; model.onnx {size['int8'] / 2**20:.1f} MB (fp32 {size['fp32'] / 2**20:.1f} MB)",
+        *_render_heads(gate),
         f"int8        activations: {q['activations']}",
         *_render_smoothing(record.get("smoothing")),
     ]
+
+
+def _render_heads(gate: dict[str, Any]) -> list[str]:
+    """The int8 gate's figures of each head kind beyond classification (none for older artifacts)."""
+    limits, lines = gate["thresholds"], []
+    for kind, f in gate.get("heads", {}).items():
+        if kind == "regression":
+            lines.append(
+                f"int8 gate   regression: correlation with fp32 {f['correlation']:.4f} over {f['rows']} rows "
+                f"(min {limits['min_regression_correlation']:g}), max value change {f['max_abs_change']:.3g}"
+            )
+        else:
+            lines.append(
+                f"int8 gate   {kind}: agreement {f['agreement']:.2%} over {f['count']} {f['units']} "
+                f"(min {limits['min_label_agreement']:.0%}), max probability change {f['max_probability_change']:.3f}"
+            )
+    return lines
 
 
 def _render_smoothing(smooth: dict[str, Any] | None) -> list[str]:
