@@ -24,7 +24,7 @@ from fusionserve.export.int8.gemm_roles import (
     ROLES,
 )
 from fusionserve.scoring.files import MAX_ROW_BYTES  # no pyarrow, no onnxruntime: the parser needs no extra
-from fusionserve.serving.model.artifact import is_artifact, load_artifact, render_int8, render_manifest
+from fusionserve.serving.model.artifact import PRECISIONS, is_artifact, load_artifact, render_bf16, render_int8, render_manifest
 from fusionserve.serving.model.predictions import ChoiceInput, Input, QAInput, TextInput
 
 from . import default
@@ -38,9 +38,10 @@ def add_export(sub: Any) -> None:
     ex.add_argument("--out", required=True, type=Path, help="artifact folder to write")
     ex.add_argument(
         "--precision",
-        choices=["fp32", "fp16", "int8"],
+        choices=PRECISIONS,
         default="fp32",
-        help="fp16 halves the weights, for GPU; int8 quantizes the GEMMs, for CPU (default fp32)",
+        help="fp16 halves the weights, for GPU; int8 quantizes the GEMMs, for CPU; bf16 runs the GEMMs in bf16 with "
+        "OpenVINO, for CPUs with bf16 units (AMX, AVX-512 BF16; needs fusionserve[openvino]) (default fp32)",
     )
     add_int8_fp32(ex)
     ex.add_argument(
@@ -169,7 +170,7 @@ def run_export(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "
         f"max |diff| vs PyTorch {manifest['parity']['max_abs_diff']['logits']:.2g}, {manifest['fused_operators']['summary']}"
     )
-    for line in render_int8(manifest.get("int8")):
+    for line in render_int8(manifest.get("int8")) + render_bf16(manifest.get("bf16")):
         print(line)
     return 0
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import InputError, MissingDependency
+from fusionserve.serving.model.artifact import PRECISIONS
 
 from . import default
 from .model_commands import add_int8_fp32, int8_options
@@ -62,7 +63,7 @@ def _add_prune(sub: Any) -> None:
     )
     pn.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks (default: every task of the spec)")
     pn.add_argument("--out", required=True, type=Path, help="artifact folder to write")
-    pn.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32", help="as for export (default fp32)")
+    pn.add_argument("--precision", choices=PRECISIONS, default="fp32", help="as for export (default fp32)")
     add_int8_fp32(pn)
     pn.add_argument("--max-seq-len", type=int, help="as for export (default: the spec's max_seq_len, else the tokenizer's)")
     pn.add_argument("--force", action="store_true", help="replace --out if it exists")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -15,9 +15,13 @@ from fusionserve.serving.model import heads
 from fusionserve.serving.model.heads import CLASSIFICATION, MULTIPLE_CHOICE, HeadOptions
 from fusionserve.serving.model.predictions import Input, TextInput, label_scores
 from fusionserve.serving.model.rows import Computed, compute
-from fusionserve.serving.model.runner import ActivationRunner
+from fusionserve.serving.model.runner import ActivationRunner, Runner
 
 from .inputs import batched
+
+# predict reads this many batches of inputs at a time and runs them in batches of similar token length, as `score`
+# does: less padding, and the batches the int8 benchmarks measure (docs/guides/int8.md, "int8 as a user meets it")
+WINDOW_BATCHES = 32
 
 
 def format_predictions(
@@ -36,6 +40,27 @@ def format_predictions(
             item["truncated"] = True
         out.append(item)
     return out
+
+
+def predict_logits(
+    runner: Runner, task: str, inputs: Sequence[TextInput], batch_size: int, on_rows: Callable[[int], object] | None = None
+) -> tuple[np.ndarray, list[bool]]:
+    """A classification task's (rows, labels) logits and truncation flags of ``inputs`` in input order, run as
+    ``predict`` runs them: in batches of ``batch_size`` texts of similar token length (``rows.compute``) where the runner
+    takes encoded batches (``ActivationRunner``), else in input order; ``on_rows`` is told the inputs each batch
+    finished. Raises what the runner raises."""
+    if getattr(runner, "encoder", None) is None or getattr(runner, "run", None) is None:
+        logits = np.zeros((len(inputs), len(runner.labels[task])), dtype=np.float32)
+        truncated: list[bool] = []
+        for i in range(0, len(inputs), batch_size):
+            logits[i : i + batch_size], cut = runner.logits(task, inputs[i : i + batch_size])
+            truncated += cut
+            if on_rows is not None:
+                on_rows(len(cut))
+        return logits, truncated
+    active: ActivationRunner = runner  # type: ignore[assignment]
+    done = compute(active, [active.task(task)], inputs, HeadOptions(), batch_size, on_rows=on_rows)[0]
+    return np.stack([c.outputs[0] for c in done]), [c.unit.truncated for c in done]
 
 
 def _line(entry: Any, inp: Input, c: Computed, options: HeadOptions, raw: bool) -> dict[str, Any]:
@@ -76,7 +101,7 @@ def predict(
     options.check([entry], raw, runner.encoder.max_length)
     ok = failed = 0
     bar = tqdm(desc=f"predict {task}", unit="input", disable=not progress, file=sys.stderr)
-    for batch in batched(inputs, batch_size):
+    for batch in batched(inputs, batch_size * WINDOW_BATCHES):
         rows: dict[int, dict[str, Any]] = {}
         errors: dict[int, InputError] = {}
         good: list[tuple[int, Input]] = []
@@ -89,7 +114,7 @@ def predict(
             except InputError as exc:
                 errors[no] = exc
         if good:
-            computed = compute(runner, [entry], [x for _, x in good], options, batch_size)[0]
+            computed = compute(runner, [entry], [x for _, x in good], options, batch_size, on_rows=bar.update)[0]
             for (no, x), c in zip(good, computed, strict=True):
                 if c.unit.error is not None:  # a question too long for a window
                     errors[no] = c.unit.error
@@ -101,6 +126,6 @@ def predict(
         ok, failed = ok + len(batch) - len(errors), failed + len(errors)
         for no, _ in batch:
             out.write(json.dumps(rows[no], ensure_ascii=False) + "\n")
-        bar.update(len(batch))
+        bar.update(len(batch) - len(good))
     bar.close()
     return ok, failed

@@ -196,7 +196,7 @@ class GateReport:
         return out
 
 
-def _gate_runs(model: FusionModel, max_seq_len: int, wanted: set[str]) -> list[tuple[str, np.ndarray, list[Any]]]:
+def gate_runs(model: FusionModel, max_seq_len: int, wanted: set[str]) -> list[tuple[str, np.ndarray, list[Any]]]:
     """(what, task_id feed, cases): every task over the whole grid, then (a graph that reads task_id per row, with more
     than one task) batches whose rows cycle through every task, as the fp32 parity gate runs them (``validate``)."""
     runs: list[tuple[str, np.ndarray, list[Any]]] = [
@@ -217,12 +217,12 @@ def check_int8(
     progress: Callable[[int], None] | None = None,
 ) -> GateReport:
     """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over the
-    validation grid, and over batches mixing every task (``_gate_runs``; ``validate.count_cases`` counts them all).
+    validation grid, and over batches mixing every task (``gate_runs``; ``validate.count_cases`` counts them all).
     Raises Int8GateError listing every figure that breaks ``gate``."""
     report = GateReport(gate)
     wanted = {i.name for i in fp32.get_inputs()}  # type: ignore[attr-defined]
     infos = list(model.infos.values())  # task-index order
-    for what, task_id, cases in _gate_runs(model, max_seq_len, wanted):
+    for what, task_id, cases in gate_runs(model, max_seq_len, wanted):
         for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
             want = dict(zip(model.outputs, fp32.run(list(model.outputs), feed), strict=True))  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ from fusionserve.serving.model.artifact import Artifact, load_artifact, sha256
 from fusionserve.serving.model.runtime import make_session
 from fusionserve.serving.model.tables import TaskTables, check_slices, table_specs
 
+from ..bf16 import Bf16Gate
 from ..build import build_model
 from ..checkpoint import load_fusion
 from ..int8.gate import GateReport, Int8Gate
@@ -133,6 +134,16 @@ def _run(session: Any, feeds: dict[str, np.ndarray], task_id: np.ndarray, tables
     return dict(zip(names, session.run(names, {**feed, **tables}), strict=True))
 
 
+def _gate_session(art: Artifact, session: Any) -> Any:
+    """The session a new task's answers are gated on: the artifact's graph as served (a bf16 artifact's: OpenVINO in
+    bf16), else ``session`` (ONNX Runtime's, which reads the tables and checks the other tasks)."""
+    if art.manifest["precision"] != "bf16":
+        return session
+    from fusionserve.serving.model.openvino_runtime import compile_graph
+
+    return compile_graph(art.model_path, "bf16", cache=False)
+
+
 def _gate_new(
     session: Any, model: FusionModel, art: Artifact, tables: dict[str, np.ndarray], index: int, n_tasks: int
 ) -> dict[str, Any]:
@@ -164,6 +175,11 @@ def _gate_new(
     if precision == "int8":
         report["gate"] = asdict(int8.gate)
         ok = not int8.failures()
+    elif precision == "bf16":  # run by OpenVINO in bf16 (``bf16_session``): the export's gate, against PyTorch
+        bf16 = Bf16Gate(**art.manifest["bf16"]["gate"]["thresholds"])
+        report["gate"] = {"min_label_agreement": bf16.min_label_agreement, "max_logit_change": bf16.max_logit_change}
+        agreement = [report[k] for k in ("label_agreement", "correlation") if k in report]
+        ok = all(a >= bf16.min_label_agreement for a in agreement) and worst[out] <= bf16.max_logit_change
     else:
         report["tolerance"] = tolerances(precision, (out, "fusion_activations"))
         ok = all(limit is None or worst[k] <= limit for k, limit in report["tolerance"].items())
@@ -264,7 +280,7 @@ def add_task(
         if taken:
             for k in new:
                 new[k][index] = slices[k]
-        gate = _gate_new(session, model, art, new, index, len(order) + (not taken))
+        gate = _gate_new(_gate_session(art, session), model, art, new, index, len(order) + (not taken))
         moved = {n: (art.tasks[n].index, art.tasks[n].index) for n in order if n != task.name}
         others = _check_others(session, art, old, new, moved)
         file, digest = write_task_file(folder, task.name, slices)

@@ -25,6 +25,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
+# the graph's precision: fp16 for GPU; int8 (ONNX Runtime) and bf16 (OpenVINO, CPUs with bf16 units) for CPU
+PRECISIONS = ("fp32", "fp16", "int8", "bf16")
 _REQUIRED = ("format", "format_version", "fusionserve_version", "precision", "opset", "max_seq_len", "inputs",
              "outputs", "tokenizer", "adapters", "adapters_per_layer", "tasks", "files", "parity", "sources")  # fmt: skip
 
@@ -192,8 +194,10 @@ def render_manifest(manifest: dict[str, Any]) -> str:
         "parity      max |diff| vs PyTorch: "
         + ", ".join(f"{k} {v:.2g}" for k, v in parity["max_abs_diff"].items())
         + f" over {parity['cases']} cases (tolerance {parity['tolerance']['logits']:g})"
-        + (f", of the {parity['precision']} graph before quantization" if "int8" in manifest else ""),
+        + (f", of the {parity['precision']} graph before quantization" if "int8" in manifest else "")
+        + (f", of the {parity['precision']} graph OpenVINO compiles in bf16" if "bf16" in manifest else ""),
         *render_int8(manifest.get("int8")),
+        *render_bf16(manifest.get("bf16")),
         f"fused ops   {manifest.get('fused_operators', {}).get('summary', '?')}",
         "adapters per layer",
     ]
@@ -273,6 +277,22 @@ def _render_heads(gate: dict[str, Any]) -> list[str]:
                 f"(min {limits['min_label_agreement']:.0%}), max probability change {f['max_probability_change']:.3f}"
             )
     return lines
+
+
+def render_bf16(record: dict[str, Any] | None) -> list[str]:
+    """A bf16 artifact's gate figures and what ran them, as lines for a terminal (none for other precisions)."""
+    if not record:
+        return []
+    gate, limits, rt = record["gate"], record["gate"]["thresholds"], record["runtime"]
+    units = ", ".join(rt["cpu_bf16_units"]) or "none: bf16 emulated with AVX-512"
+    return [
+        f"bf16 gate   vs the fp32 graph over {gate['rows']} rows ({gate['cases']} cases): label agreement "
+        f"{gate['label_agreement']:.2%} (min {limits['min_label_agreement']:.0%}), max logit change "
+        f"{gate['max_logit_change']:.3f} (max {limits['max_logit_change']:g}); fusion activations max change "
+        f"{gate['max_fusion_activation_change']:.3f} (recorded)",
+        f"bf16        runs with OpenVINO's CPU plugin (checked with OpenVINO {rt['version']}, inference precision "
+        f"{rt['inference_precision']}; bf16 units: {units})",
+    ]
 
 
 def _render_smoothing(smooth: dict[str, Any] | None) -> list[str]:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -24,7 +25,8 @@ from fusionserve.errors import FusionServeError
 from . import revisions
 from .artifact import Artifact, TaskEntry, load_artifact
 from .binding import BindingPool, Bound
-from .cpu_flags import int8_risk
+from .cpu_flags import cpu_risk
+from .openvino_runtime import bf16_session
 from .predictions import TextInput
 from .runner import Output
 from .tables import TaskTables, is_table, table_specs
@@ -109,6 +111,13 @@ def make_session(
     return session
 
 
+def open_session(artifact: Artifact, threads: int | None = None, spin: bool = True, device: str = "auto") -> Any:
+    """ONNX Runtime's session for ``artifact`` (``make_session``), or OpenVINO's for a bf16 one (``bf16_session``)."""
+    if artifact.manifest.get("precision") == "bf16":
+        return bf16_session(artifact.model_path, threads, device)
+    return make_session(artifact.model_path, threads, spin, device)
+
+
 @dataclass(frozen=True)
 class Served:
     """What one run answers from: an artifact revision's tasks and (live artifacts) its stacked task tables. A request
@@ -154,7 +163,7 @@ class OnnxRunner:
         seq_buckets: int | Sequence[int] | None = None,
     ) -> None:
         first = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = make_session(first.model_path, threads, spin, device)
+        self.session = open_session(first, threads, spin, device)
         self._tables = TaskTables(first.folder, table_specs(self.session))
         self.served = Served(first, self._tables.load(first))
         self._stamp = revisions.pointer_stamp(first.folder)
@@ -165,11 +174,11 @@ class OnnxRunner:
         self._task_id_shape = next((tuple(i.shape) for i in self.session.get_inputs() if i.name == "task_id"), ())
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.device = "cuda" if self.provider == CUDA else "cpu"  # where the session runs
-        risk = int8_risk(first.manifest, self.device)
+        risk = cpu_risk(first.manifest, self.device, getattr(self.session, "inference_precision", ""))
         if risk:
             logging.getLogger("fusionserve").warning("fusionserve: %s: %s", first.folder, risk)
         on_cuda = self.device == "cuda"
-        self.io_binding = on_cuda if io_binding is None else bool(io_binding)
+        self.io_binding = (on_cuda if io_binding is None else bool(io_binding)) and isinstance(self.session, ort.InferenceSession)
         buckets = (CUDA_BUCKET if on_cuda else 0) if seq_buckets is None else seq_buckets
         self.bucket_lengths = bucket_lengths(self.artifact.max_seq_len, buckets)
         self._pool = BindingPool(_POOL_SHAPES)

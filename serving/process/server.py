@@ -20,6 +20,7 @@ from fusionserve.errors import FusionServeError
 from ..api.grpc_ingress import transport_env
 from ..builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
 from ..model.artifact import MANIFEST, load_artifact, sha256
+from ..model.openvino_runtime import require_openvino
 from ..model.runtime import make_session, resolve_device
 from . import loopback
 from .cluster import connect
@@ -156,6 +157,8 @@ def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
     make_session(
         artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
+    if artifact.manifest["precision"] == "bf16":  # its replicas run it with OpenVINO: missing, one line now
+        require_openvino(f"{artifact.folder} (a bf16 artifact)")
     resolve_device(cfg.app.device)
     reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
     held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
