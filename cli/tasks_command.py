@@ -32,7 +32,7 @@ def add_tasks(sub: Any) -> None:
     rm = verbs.add_parser("remove", help="remove a task as a new revision (its requests then get 404 unknown_task)")
     rm.add_argument("artifact")
     rm.add_argument("name")
-    rm.set_defaults(run=run_remove, needs="export")
+    rm.set_defaults(run=run_remove, needs="serve")  # ONNX Runtime checks the other tasks; no torch
     ls = verbs.add_parser("list", help="the tasks of the published revision")
     ls.add_argument("artifact")
     ls.add_argument("--json", action="store_true", help="the revision document as JSON")
@@ -74,7 +74,7 @@ def run_add(args: argparse.Namespace) -> int:
 
 
 def run_remove(args: argparse.Namespace) -> int:
-    from fusionserve.export.live.tasks import remove_task
+    from fusionserve.export.live.publish import remove_task
 
     doc = remove_task(args.artifact, args.name)
     print(

@@ -11,6 +11,7 @@ import torch
 
 from fusionserve.errors import FusionServeError
 
+from .grid import BATCH_SIZES, SEQ_LENS, grid_inputs
 from .model import FusionModel
 
 # Max abs diff allowed, per precision and output (activations: over real tokens, padding excluded). fp16 keeps
@@ -22,8 +23,6 @@ TOLERANCES: dict[str, dict[str, float | None]] = {
     "fp32": {"logits": 1e-4, "fusion_activations": 1e-4, "token_logits": 1e-4},
     "fp16": {"logits": 5e-2, "fusion_activations": None, "token_logits": 5e-2},
 }
-BATCH_SIZES = (1, 3, 8)
-SEQ_LENS = (5, 37, 128)
 GRIDS = ("full", "quick")
 # quick: the whole grid for one task of each kind (fusion, adapter, head) and head level (sequence, token), one padded
 # case for every other task; every task's folded weights still run, and each kind's code path sees every shape
@@ -84,24 +83,6 @@ def max_diff(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> float:
     diff = np.abs(got.astype(np.float64) - want)[np.broadcast_to(mask, got.shape)]
     worst = float(diff.max()) if diff.size else 0.0
     return worst if np.isfinite(worst) else float("inf")
-
-
-def grid_inputs(
-    vocab_size: int, max_seq_len: int, seed: int = 0, batch_sizes: tuple[int, ...] = BATCH_SIZES
-) -> list[tuple[int, int, dict[str, np.ndarray]]]:
-    """(batch, seq, inputs): random ids, every batch padded (rows of different lengths), pairs' second
-    segment marked in token_type_ids."""
-    rng = np.random.default_rng(seed)
-    cases = []
-    for batch in batch_sizes:
-        for seq in (s for s in SEQ_LENS if s <= max_seq_len):
-            ids = rng.integers(min(1000, vocab_size - 1) // 2, vocab_size, size=(batch, seq), dtype=np.int64)
-            lengths = rng.integers(max(2, seq // 3), seq + 1, size=batch)
-            lengths[0] = seq  # the longest row sets the width, as the tokenizer pads
-            mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
-            types = ((np.arange(seq)[None, :] >= lengths[:, None] // 2) & (mask == 1)).astype(np.int64)
-            cases.append((batch, seq, {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types}))
-    return cases
 
 
 def _plan(model: FusionModel, max_seq_len: int, grid: str) -> list[tuple[str, list[tuple[int, int, dict[str, np.ndarray]]]]]:

@@ -22,6 +22,7 @@ from fusionserve.serving.model import revisions
 from fusionserve.serving.model.artifact import ArtifactError, load_artifact
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests import live_helpers
+from tests.import_helpers import TORCH, cli_without, imported
 from tests.live_helpers import FIRST, LiveModel, answers, make_live
 
 TOL = 1e-4
@@ -97,6 +98,33 @@ def test_add_replace_remove_match_adapterhub_and_leave_the_others_bit_identical(
     assert all(t["sha256"] and (art / t["file"]).is_file() for d in docs for t in d["tasks"].values())
 
 
+@pytest.mark.slow
+def test_the_light_commands_run_without_torch(live, tmp_path):
+    """`tasks list`, `tasks config`, `inspect` of an artifact and `tasks remove` in a fresh interpreter where torch,
+    transformers and adapters cannot be imported: none needs them, and none imports them (`tasks remove` spent 7.4 of
+    its 7.5 s importing torch). `serve` runs so in conftest.shared_server."""
+    art = live.copy(tmp_path / "art")
+    light = ("torch", "onnx", "onnxruntime")
+    commands = {"list": ["tasks", "list", art], "config": ["tasks", "config", art], "inspect": ["inspect", art],
+                "remove": ["tasks", "remove", art, "head_only"]}  # fmt: skip
+    outputs = {}
+    for name, argv in commands.items():
+        done = cli_without(TORCH, argv, modules=light)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+        assert imported(done) == {"torch": False, "onnx": False, "onnxruntime": name == "remove"}, argv
+        outputs[name] = done.stdout
+    assert all(t in outputs["list"] for t in FIRST) and "revision 0" in outputs["list"]
+    assert json.loads(outputs["config"].splitlines()[0])["user_config"]
+    assert outputs["inspect"].startswith("artifact    fusionserve") and all(t in outputs["inspect"] for t in FIRST)
+    assert (
+        "revision 1 published: removed task 'head_only'" in outputs["remove"]
+        and "2 other task(s) bit-identical" in outputs["remove"]
+    )
+    assert list(load_artifact(art).tasks) == ["custom", "alpha_only"]
+    for t in ("custom", "alpha_only"):
+        assert np.array_equal(answers(art, t), answers(live.artifact, t)), t
+
+
 def _refusals(live: LiveModel, tmp: Path) -> dict[str, tuple[list, str]]:
     """case -> (argv after `tasks add ART`, what the error must say)."""
     r = live.root
@@ -152,6 +180,7 @@ def test_every_refusal_exits_2_naming_the_problem_and_leaves_the_revision_served
     assert code == 2 and "no task 'nope' to remove" in err and _state(art) == state
 
 
+@pytest.mark.slow
 def test_a_second_tasks_command_is_refused_while_one_holds_the_lock(live, tmp_path, capsys):
     art = live.copy(tmp_path / "art")
     state = _state(art)

@@ -1,5 +1,6 @@
-"""``fusionserve tasks``: add, replace and remove a target task of a live artifact (``export --live``) without
-re-tracing anything: the graph stays as it is and only the task tables beside it change (``live.py``).
+"""``fusionserve tasks add``: add or replace a target task of a live artifact (``export --live``) without re-tracing
+anything: the graph stays as it is and only the task tables beside it change (``tables.py``). ``tasks remove`` and
+what every change shares (the unchanged tasks' check, publishing) need no torch: ``publish.py``.
 
 A new or retrained task is folded over the artifact's own adapter stacks, from AdapterHub checkpoints and the
 export's base model and adapters (found through the spec the manifest records, checked against the manifest's
@@ -24,43 +25,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from fusionserve.errors import FusionServeError
 from fusionserve.serving.model import revisions
-from fusionserve.serving.model.artifact import Artifact, load_artifact, sha256
+from fusionserve.serving.model.artifact import Artifact, sha256
 from fusionserve.serving.model.runtime import make_session
 from fusionserve.serving.model.tables import TaskTables, check_slices, table_specs
 
 from ..bf16 import Bf16Gate
 from ..build import build_model
 from ..checkpoint import load_fusion
+from ..grid import grid_inputs
 from ..int8.gate import GateReport, Int8Gate
 from ..model import OUTPUT, FusionModel
 from ..spec import ModelSpec, TaskSpec, load_spec
-from ..validate import grid_inputs, max_diff, tolerances
+from ..validate import max_diff, tolerances
+from .publish import MIXED_ROWS, TasksError, check_others, live_artifact, publish, run_tables, task_entries
 from .tables import graph_tables, live_heads, source_of, task_record, write_task_file
 
 _FEEDS = ("input_ids", "attention_mask", "token_type_ids")
-MIXED_ROWS = 16  # rows of the batches that mix the new task with others, and of the unchanged tasks' check
-
-
-class TasksError(FusionServeError):
-    """A ``tasks`` command refused: the artifact is not live, the name is taken or unknown, a check failed."""
-
-
-def _live(folder: Path) -> Artifact:
-    art = load_artifact(folder)
-    if art.revision is None:
-        raise TasksError(
-            f"{folder}: not a live artifact (its tasks are baked into {art.model_path.name}); export it again with --live"
-        )
-    return art
-
-
-def list_tasks(folder: str | Path) -> dict[str, Any]:
-    """The published revision's document. Raises ArtifactError / RevisionError / TasksError."""
-    folder = Path(folder).resolve()
-    art = _live(folder)
-    return revisions.read(folder, art.revision or 0)
 
 
 def _spec(art: Artifact, spec_path: str | Path | None) -> ModelSpec:
@@ -126,14 +107,6 @@ def _reference(art: Artifact, spec: ModelSpec, task: TaskSpec, src: TaskSpec) ->
     return model
 
 
-def _run(session: Any, feeds: dict[str, np.ndarray], task_id: np.ndarray, tables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The graph's outputs by name."""
-    wanted = {i.name for i in session.get_inputs()}
-    feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, {**feed, **tables}), strict=True))
-
-
 def _gate_session(art: Artifact, session: Any) -> Any:
     """The session a new task's answers are gated on: the artifact's graph as served (a bf16 artifact's: OpenVINO in
     bf16), else ``session`` (ONNX Runtime's, which reads the tables and checks the other tasks)."""
@@ -160,7 +133,7 @@ def _gate_new(
     worst = {out: 0.0, "fusion_activations": 0.0}
     int8 = GateReport(Int8Gate(**art.manifest["int8"]["gate"]["thresholds"]) if precision == "int8" else Int8Gate())
     for task_id, (_, seq, feeds), pick in runs:
-        got = _run(session, feeds, task_id, tables)
+        got = run_tables(session, feeds, task_id, tables)
         sel = slice(None) if pick is None else pick  # the reference runs the new task's rows only
         with torch.inference_mode():
             ref = model(*(torch.from_numpy(feeds[k][sel]) for k in _FEEDS), torch.zeros(1, dtype=torch.long))
@@ -210,47 +183,6 @@ def _mixed(vocab: int, max_len: int, index: int, n_tasks: int) -> list[tuple[np.
     return [(ids, case) for case in grid_inputs(vocab, max_len, seed=1, batch_sizes=(MIXED_ROWS,))]
 
 
-def _check_others(
-    session: Any, art: Artifact, old: dict[str, np.ndarray], new: dict[str, np.ndarray], moved: dict[str, tuple[int, int]]
-) -> dict[str, Any]:
-    """Every unchanged task (name -> (old index, new index)) keeps its tables byte for byte, and answers bit for bit as
-    before: batches of ``MIXED_ROWS`` rows over the unchanged tasks, all of them across the batches, at each grid
-    length, before and after. Raises TasksError naming the first task that changed."""
-    if not moved:
-        return {"tasks": 0, "identical": True}
-    for name, (i, j) in moved.items():
-        if not all(np.array_equal(old[k][i], new[k][j]) for k in old):
-            raise TasksError(f"task '{name}' would change (its tables differ); nothing published")
-    names = list(moved)
-    vocab = int(art.manifest["base_model"]["vocab_size"])
-    cases = grid_inputs(vocab, art.max_seq_len, seed=2, batch_sizes=(MIXED_ROWS,))
-    runs = 0
-    for start in range(0, len(names), MIXED_ROWS * len(cases)):
-        for c, (_, seq, feeds) in enumerate(cases):
-            chunk = names[start + c * MIXED_ROWS : start + (c + 1) * MIXED_ROWS] or names[:MIXED_ROWS]
-            rows = [chunk[r % len(chunk)] for r in range(MIXED_ROWS)]
-            before = _run(session, feeds, np.array([moved[n][0] for n in rows]), old)
-            after = _run(session, feeds, np.array([moved[n][1] for n in rows]), new)
-            runs += 2
-            for what in before:
-                same = np.all(before[what] == after[what], axis=tuple(range(1, before[what].ndim)))
-                if not same.all():
-                    bad = rows[int(np.argmin(same))]
-                    raise TasksError(f"task '{bad}' would answer differently ({what}, sequence {seq}); nothing published")
-    return {"tasks": len(names), "runs": runs, "identical": True}
-
-
-def _publish(
-    folder: Path, art: Artifact, tasks: dict[str, Any], change: dict[str, Any], checks: dict[str, Any]
-) -> dict[str, Any]:
-    """Write the revision after the newest one written (published or not), then move the pointer to it."""
-    number = max([*revisions.numbers(folder), art.revision or 0]) + 1
-    doc = {"revision": number, "parent": art.revision, "change": change, "tasks": tasks, "checks": checks}
-    revisions.write(folder, doc)
-    revisions.publish(folder, number)
-    return revisions.read(folder, number)
-
-
 def add_task(
     folder: str | Path, task: TaskSpec, replace_existing: bool = False, spec_path: str | Path | None = None
 ) -> dict[str, Any]:
@@ -260,7 +192,7 @@ def add_task(
     folder = Path(folder).resolve()
     started = time.perf_counter()
     with revisions.TasksLock(folder):
-        art = _live(folder)
+        art = live_artifact(folder)
         taken = task.name in art.tasks
         if taken and not replace_existing:
             raise TasksError(f"task '{task.name}' exists (revision {art.revision}); pass --replace to swap its weights")
@@ -282,39 +214,9 @@ def add_task(
                 new[k][index] = slices[k]
         gate = _gate_new(_gate_session(art, session), model, art, new, index, len(order) + (not taken))
         moved = {n: (art.tasks[n].index, art.tasks[n].index) for n in order if n != task.name}
-        others = _check_others(session, art, old, new, moved)
+        others = check_others(session, art, old, new, moved)
         file, digest = write_task_file(folder, task.name, slices)
         record = task_record(model, task.name, index, file, digest, source_of(replace(spec, tasks={task.name: src}), task.name))
-        tasks = {**_entries(folder, art), task.name: record}
+        tasks = {**task_entries(folder, art), task.name: record}
         change = {"op": "replace" if taken else "add", "task": task.name, "seconds": round(time.perf_counter() - started, 2)}
-        return _publish(folder, art, tasks, change, {"task": gate, "others": others})
-
-
-def remove_task(folder: str | Path, name: str) -> dict[str, Any]:
-    """Remove task ``name`` from a live artifact as a new published revision; returns its document. The other tasks
-    keep their order (their indices close up) and are checked unchanged. Raises TasksError (unknown task, the last
-    task), ArtifactError or RevisionError."""
-    folder = Path(folder).resolve()
-    started = time.perf_counter()
-    with revisions.TasksLock(folder):
-        art = _live(folder)
-        if name not in art.tasks:
-            raise TasksError(f"no task '{name}' to remove; tasks: {', '.join(art.tasks)}")
-        if len(art.tasks) == 1:
-            raise TasksError(f"task '{name}' is the artifact's last task; an artifact serves at least one")
-        session = make_session(art.model_path, spin=False, device="cpu")  # no busy-waiting beside torch
-        specs = table_specs(session)
-        old = TaskTables(folder, specs, verify=False).load(art)
-        order = [n for n in sorted(art.tasks, key=lambda n: art.tasks[n].index) if n != name]
-        keep = [art.tasks[n].index for n in order]
-        new = {k: np.ascontiguousarray(v[keep]) for k, v in old.items()}
-        moved = {n: (art.tasks[n].index, i) for i, n in enumerate(order)}
-        others = _check_others(session, art, old, new, moved)
-        entries = _entries(folder, art)
-        tasks = {n: {**entries[n], "index": i} for i, n in enumerate(order)}
-        change = {"op": "remove", "task": name, "seconds": round(time.perf_counter() - started, 2)}
-        return _publish(folder, art, tasks, change, {"others": others})
-
-
-def _entries(folder: Path, art: Artifact) -> dict[str, Any]:
-    return dict(revisions.read(folder, art.revision or 0)["tasks"])
+        return publish(folder, art, tasks, change, {"task": gate, "others": others})
