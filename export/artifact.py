@@ -192,7 +192,7 @@ def _validated_graph(
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
         parity = check_parity(session, model, graph_precision, max_seq_len, progress=bar.update, grid=grid)
-    step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
+    step("validated: " + ", ".join(f"max |diff| {k} {v:.2g}" for k, v in parity.max_abs_diff.items() if k.endswith("logits")))
     if precision == "bf16":
         total = count_cases(model, max_seq_len)  # the gate runs the whole grid, as int8's
         with tqdm(total=total, desc="bf16 gate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
