@@ -134,6 +134,32 @@ def test_fp16_and_int8_gate_every_kind(bert_heads, tmp_path):
         assert k in text, text
 
 
+def test_bf16_gates_each_row_on_its_own_head(bert_heads, tmp_path):
+    """bf16 (OpenVINO; emulated where the CPU has AVX-512 but no bf16 units): each task's rows are gated on the output
+    its head answers in (a tagging or QA row on token_logits, not on the zero placeholder of logits)."""
+    pytest.importorskip("openvino")
+    m = export_artifact(bert_heads.spec, tmp_path / "bf16", precision="bf16", max_seq_len=MAX_SEQ_LEN, progress=False)
+    gate = m["bf16"]["gate"]
+    assert gate["label_agreement"] >= 0.97 and 0 < gate["max_logit_change"] <= 0.25
+    assert gate["rows"] > gate["cases"] * 3  # tagging rows count every real token
+    assert _check_rows(bert_heads, OnnxRunner(tmp_path / "bf16", threads=1), ALL) <= 0.25
+
+
+def test_the_bf16_gate_counts_token_flips_and_qa_spans():
+    from fusionserve.export.bf16 import Bf16Gate, Bf16Report
+
+    report = Bf16Report(Bf16Gate())
+    real = np.array([[True, True, True, False]])
+    logits = np.random.default_rng(0).normal(size=(1, 4, 3))
+    report.add("tagging", logits, -logits, real, "there")  # every real token's label flips: 0 of 3 agree
+    assert (report.rows, report.agreeing) == (3, 0) and report.worst["logits"] == "there"
+    spans = np.zeros((1, 4, 2))
+    spans[0, 3] = 9.0  # a padded token's huge logit is not read
+    report.add("question_answering", spans, spans, real, "here")
+    assert (report.rows, report.agreeing) == (5, 2)
+    assert any("label agreement 40.00%" in line for line in report.failures())
+
+
 def test_an_int8_gate_fails_by_kind_and_names_it():
     """A tagging head whose labels flip is refused with its own figure, however well the classification rows keep."""
     from fusionserve.export.int8.gate import GateReport, Int8Gate
