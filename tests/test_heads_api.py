@@ -272,7 +272,7 @@ def test_one_batch_mixes_all_five_kinds_and_each_answers_as_alone(core, heads):
     """Requests of the five head kinds queued while the model is busy leave in one batch (one forward pass over rows of
     every kind: the graph gathers each row's head by task id), and each answers what it answers alone."""
     from fusionserve.serving.scheduler.results import BatchStats
-    from tests.test_batching import Gate
+    from tests.batching_helpers import Gate
 
     runner = OnnxRunner(heads.artifact, threads=1, device="cpu")
     batches: list[BatchStats] = []
