@@ -20,7 +20,12 @@ def add_tasks(sub: Any) -> None:
     what = add.add_mutually_exclusive_group()
     what.add_argument("--fusion", type=Path, help="AdapterHub fusion folder (save_adapter_fusion) over the artifact's adapters")
     what.add_argument("--adapter", help="one adapter the artifact holds (a single-adapter task)")
-    add.add_argument("--head", type=Path, required=True, help="AdapterHub classification head folder (save_head)")
+    add.add_argument(
+        "--head",
+        type=Path,
+        required=True,
+        help="AdapterHub head folder (save_head): classification, regression, multiple choice, tagging or question answering",
+    )
     add.add_argument("--replace", action="store_true", help="swap the weights of the existing task of this name")
     add.add_argument("--spec", type=Path, help="the export's spec, where the manifest's recorded path no longer holds it")
     add.set_defaults(run=run_add, needs="export")
@@ -46,10 +51,10 @@ def _checked(doc: dict[str, Any]) -> str:
     parts = []
     if "task" in checks:
         t = checks["task"]
-        parts.append(
-            f"vs PyTorch over {t['cases']} cases: max |diff| logits {t['max_abs_diff']['logits']:.2g}, "
-            f"label agreement {t['label_agreement']:.1%}"
-        )
+        out = next(iter(t["max_abs_diff"]))  # logits, or token_logits for a token-level head
+        agreement = f"label agreement {t['label_agreement']:.1%}" if "label_agreement" in t else ""
+        agreement = agreement or f"correlation {t['correlation']:.4f}"  # a regression head: no labels
+        parts.append(f"vs PyTorch over {t['cases']} cases: max |diff| {out} {t['max_abs_diff'][out]:.2g}, {agreement}")
     if "others" in checks:
         parts.append(f"{checks['others']['tasks']} other task(s) bit-identical")
     return "; ".join(parts)

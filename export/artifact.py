@@ -27,7 +27,7 @@ from .build import Dropped
 from .int8.quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
 from .live.tables import graph_tables, write_first_revision
 from .model import FusionModel
-from .onnx_export import DEFAULT_OPSET, OUTPUTS, FusionReport, export_raw, optimize
+from .onnx_export import DEFAULT_OPSET, FusionReport, export_raw, optimize
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
 from .validate import GRIDS, check_parity, count_cases
@@ -64,11 +64,7 @@ def _manifest(
         "opset": opset,
         "max_seq_len": max_seq_len,
         "inputs": {name: described[name] for name in inputs},
-        "outputs": {
-            "logits": f"float32 (batch, {model.max_labels}): the first len(labels) columns are the task's",
-            "fusion_activations": f"float32 (batch, {len(model.sites)}, sequence, {len(model.adapter_names)}): "
-            "softmax weight of each adapter (columns: 'adapters') per fusion layer (rows: 'fusion_layers') and token",
-        },
+        "outputs": _outputs(model),
         "tokenizer": {"file": TOKENIZER_FILE, "pad_token": pad_token, "max_length": max_seq_len},
         "base_model": {
             "architecture": bb.arch.name,
@@ -80,18 +76,22 @@ def _manifest(
         "fusion_layers": [{"layer": site.layer, "place": site.place} for site in model.sites],
         "adapters": list(model.adapter_names),
         "adapters_per_layer": stacks,
-        "tasks": {
-            name: {
-                "index": model.task_index[name],
-                "kind": info.kind,
-                "labels": list(info.labels),
-                "adapters": list(info.adapters),
-                "adapters_per_layer": [list(layer) for layer in info.adapters_per_layer],
-            }
-            for name, info in model.infos.items()
-        },
+        "tasks": {name: {"index": model.task_index[name], **info.manifest_entry()} for name, info in model.infos.items()},
         "sources": _source_checksums(spec),
     }
+
+
+def _outputs(model: FusionModel) -> dict[str, str]:
+    """What each of the graph's outputs holds."""
+    described = {
+        "logits": f"float32 (batch, {model.max_labels}): the row's sequence-level head (classification, regression, "
+        "multiple choice); the first len(labels) columns are the task's",
+        "fusion_activations": f"float32 (batch, {len(model.sites)}, sequence, {len(model.adapter_names)}): "
+        "softmax weight of each adapter (columns: 'adapters') per fusion layer (rows: 'fusion_layers') and token",
+        "token_logits": f"float32 (batch, sequence, {model.token_width}): the row's token-level head (tagging, question "
+        "answering) on every token; the first len(labels) columns are the task's",
+    }
+    return {name: described[name] for name in model.outputs}
 
 
 def _check_options(precision: str, opset: int, out: Path, force: bool, parity_grid: str) -> None:
@@ -192,7 +192,7 @@ def _validated_graph(
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
         parity = check_parity(session, model, graph_precision, max_seq_len, progress=bar.update, grid=grid)
-    step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
+    step("validated: " + ", ".join(f"max |diff| {k} {v:.2g}" for k, v in parity.max_abs_diff.items() if k.endswith("logits")))
     if precision == "bf16":
         total = count_cases(model, max_seq_len)  # the gate runs the whole grid, as int8's
         with tqdm(total=total, desc="bf16 gate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
@@ -290,7 +290,7 @@ def export_artifact(
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
         manifest |= {k: v for k, v in {precision: record, "pruning": pruning}.items() if v is not None}
-        manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}
+        manifest["io"] = {"inputs": inputs, "outputs": list(model.outputs)}
         manifest |= {"live": write_first_revision(work, spec, model, session.session, manifest["parity"])} if live else {}
         manifest = _publish(work, out, manifest, step)
     finally:

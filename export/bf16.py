@@ -29,7 +29,7 @@ from fusionserve.serving.model.cpu_flags import cpu_bf16_units
 from fusionserve.serving.model.openvino_runtime import compile_graph, device_capabilities, openvino_version
 
 from .int8.gate import gate_runs
-from .model import FusionModel
+from .model import OUTPUT, FusionModel
 from .validate import BATCH_SIZES, SEQ_LENS, ParityError
 
 
@@ -73,6 +73,30 @@ class Bf16Report:
     def label_agreement(self) -> float:
         return self.agreeing / self.rows if self.rows else 1.0
 
+    def add(self, head: str, got: np.ndarray, want: np.ndarray, real: np.ndarray, where: str) -> None:
+        """One task's rows of a case: ``got`` / ``want`` its own output columns, (rows, labels) for a sequence-level head,
+        (rows, seq, labels) for a token-level one, whose real tokens ``real`` (rows, seq) marks. What agrees is what a
+        caller reads: a sequence-level row's label (a one-column head, regression or a multiple-choice pair's score, has
+        no label: its value change alone is gated); a tagging row's label of each real token; a QA row's start and its
+        end token (the argmax over its real tokens of each column)."""
+        if got.ndim == 3:
+            if head == "question_answering":  # (rows, seq, 2) -> the chosen token of each column
+                masked = [np.where(real[..., None], x, -np.inf).argmax(axis=1) for x in (got, want)]
+                self.rows += masked[0].size
+                self.agreeing += int((masked[0] == masked[1]).sum())
+            else:  # tagging: each real token's label
+                self.rows += int(real.sum())
+                self.agreeing += int((got[real].argmax(-1) == want[real].argmax(-1)).sum())
+            diff = np.abs(got - want)[np.broadcast_to(real[..., None], got.shape)]
+        else:
+            self.rows += len(got)
+            self.agreeing += int((got.argmax(-1) == want.argmax(-1)).sum()) if got.shape[1] > 1 else len(got)
+            diff = np.abs(got - want)
+        change = float(diff.max()) if diff.size else 0.0
+        change = change if np.isfinite(change) else float("inf")
+        if change >= self.max_logit_change:
+            self.max_logit_change, self.worst["logits"] = change, where
+
     def failures(self) -> list[str]:
         bad = []
         if not self.label_agreement >= self.gate.min_label_agreement:
@@ -108,24 +132,24 @@ def check_bf16(
     breaks ``gate``."""
     report = Bf16Report(gate)
     wanted = {i.name for i in fp32.get_inputs()}
-    n_labels = np.array([len(model.infos[t].labels) for t in model.task_index])  # by task index
+    outputs = list(model.outputs)
+    infos = list(model.infos.values())  # task-index order
     for what, task_id, cases in gate_runs(model, max_seq_len, wanted):
         for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-            want, got = fp32.run(None, feed), bf16.run(None, feed)
-            labels = np.broadcast_to(n_labels[task_id], (batch,))[:, None]  # (batch, 1): each row's task's label count
-            own = np.arange(want[0].shape[1]) < labels  # (batch, max_labels): the columns of each row's own task
-            a = np.where(own, got[0].astype(np.float64), -np.inf)
-            b = np.where(own, want[0].astype(np.float64), -np.inf)
-            report.rows += batch
-            report.agreeing += int((a.argmax(-1) == b.argmax(-1)).sum())
+            want = dict(zip(outputs, fp32.run(outputs, feed), strict=True))
+            got = dict(zip(outputs, bf16.run(outputs, feed), strict=True))
+            rows = np.broadcast_to(task_id, (batch,))  # each row's task
+            real = feeds["attention_mask"] == 1  # (batch, seq)
             where = f"{what}, batch {batch}, sequence {seq}"
-            diff = np.where(own, got[0].astype(np.float64) - want[0].astype(np.float64), 0.0)
-            change = float(np.abs(diff).max()) if np.isfinite(got[0]).all() else float("inf")
-            if change >= report.max_logit_change:
-                report.max_logit_change, report.worst["logits"] = change, where
-            real = feeds["attention_mask"][:, None, :, None].astype(bool)  # (batch, 1, seq, 1)
-            acts = float(np.abs((got[1] - want[1]) * real).max()) if got[1].size else 0.0
+            for index in np.unique(rows):
+                info, pick = infos[index], rows == index
+                out, n = OUTPUT[info.level], len(info.labels)
+                a = got[out][pick][..., :n].astype(np.float64)  # each row's own task's columns
+                b = want[out][pick][..., :n].astype(np.float64)
+                report.add(info.head, a, b, real[pick], where)
+            real4 = real[:, None, :, None]  # (batch, 1, seq, 1)
+            acts = float(np.abs((got["fusion_activations"] - want["fusion_activations"]) * real4).max())
             if acts >= report.max_fusion_activation_change:
                 report.max_fusion_activation_change, report.worst["fusion_activations"] = acts, where
             report.cases += 1

@@ -32,6 +32,7 @@ from fusionserve.errors import FusionServeError
 from . import options
 from .api.grpc_ingress import transport_env
 from .api.schemas import Limits
+from .api.tei import check_default_task
 from .model.artifact import MANIFEST, load_artifact
 from .model.runtime import DEVICES, DeviceError, resolve_device
 from .options import default
@@ -187,10 +188,7 @@ def check_artifact(args: AppArgs) -> None:
     if not (folder / MANIFEST).is_file():
         return
     artifact = load_artifact(folder)
-    if args.default_task is not None and args.default_task not in artifact.tasks:
-        raise FusionServeError(
-            f"default_task '{args.default_task}' is not a task of {folder}; known tasks: {', '.join(artifact.tasks)}"
-        )
+    check_default_task(artifact, args.default_task)
     args.batch_limits().check_fits(artifact.max_seq_len)
 
 

@@ -21,6 +21,7 @@ from fusionserve.training import sources
 from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
 from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
+from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
 from tests.serving_helpers import SHARED_ARGS, Served, SharedServers
 
@@ -190,6 +191,25 @@ def arch_exported(arch_built, tmp_path_factory) -> export_helpers.Exported:
     folder = tmp_path_factory.mktemp("arch-export") / "artifact"
     manifest = export_artifact(arch_built.spec, folder, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN, progress=False)
     return export_helpers.Exported(folder.resolve(), manifest)
+
+
+# --- every head kind AdapterHub trains, saved by it: test_head_kinds*.py --------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def arch_heads(arch_built) -> HeadKinds:
+    """Each backbone x adapter architecture's tiny model with a head of every kind added (head_kinds.py)."""
+    return add_heads(arch_built.reference, arch_built.spec.parent, arch_built.tokenizer, classification="dyn")
+
+
+@pytest.fixture(scope="session")
+def bert_heads(arch_models) -> HeadKinds:
+    """The tiny BERT (Pfeiffer adapters) of backbone_models with a head of every kind added, for the export tests. Its
+    fusion is the gentler one (weights moved by 0.1): with the 0.3 of adapterhub_models the fusion softmax is nearly
+    one-hot, and a tagging head over every token (37 x 8 of them) then shows float rounding near the 1e-4 parity
+    tolerance (2.9e-4 seen after ONNX Runtime's fusions, 8e-5 before them, while [CLS] stays at 5e-6)."""
+    built = arch_models("bert", "seq_bn")
+    return add_heads(built.reference, built.spec.parent, built.tokenizer, classification="dyn")
 
 
 # --- a real server shared by the end-to-end tests that only need one running ---------------------------------------

@@ -40,11 +40,13 @@ def live_artifact(folder: Path) -> Artifact:
 
 def run_tables(
     session: Any, feeds: dict[str, np.ndarray], task_id: np.ndarray, tables: dict[str, np.ndarray]
-) -> list[np.ndarray]:
-    """One run of the graph on ``feeds`` with the task tables ``tables`` (rows picked by ``task_id``)."""
+) -> dict[str, np.ndarray]:
+    """One run of the graph on ``feeds`` with the task tables ``tables`` (rows picked by ``task_id``): its outputs by
+    name."""
     wanted = {i.name for i in session.get_inputs()}
     feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-    return session.run(None, {**feed, **tables})
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, {**feed, **tables}), strict=True))
 
 
 def check_others(
@@ -69,8 +71,8 @@ def check_others(
             before = run_tables(session, feeds, np.array([moved[n][0] for n in rows]), old)
             after = run_tables(session, feeds, np.array([moved[n][1] for n in rows]), new)
             runs += 2
-            for out, what in ((0, "logits"), (1, "fusion_activations")):
-                same = np.all(before[out] == after[out], axis=tuple(range(1, before[out].ndim)))
+            for what in before:  # logits, fusion_activations, and token_logits where the graph has them
+                same = np.all(before[what] == after[what], axis=tuple(range(1, before[what].ndim)))
                 if not same.all():
                     bad = rows[int(np.argmin(same))]
                     raise TasksError(f"task '{bad}' would answer differently ({what}, sequence {seq}); nothing published")

@@ -28,7 +28,7 @@ from fusionserve.errors import FusionServeError
 
 from ..model import revisions
 from ..model.artifact import MANIFEST, ArtifactError, load_artifact, sha256
-from ..model.predictions import TextInput
+from ..model.heads import head, probe
 from ..model.runtime import OnnxRunner
 from ..options import bounded
 from ..scheduler.batching import BatchLimits, BatchStats, Scheduler
@@ -36,13 +36,14 @@ from . import oip_http, tracing
 from .asgi import HeadAsGet
 from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
 from .bodies import read_body
-from .classify import Classifier, log, log_unexpected, parse_json
+from .classify import Classifier, describe_tasks, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc, record_call_deadlines
 from .metrics import Metrics
 from .oip_grpc import OipGrpc
 from .openapi import describe
+from .schemas import JSON as _JSON
 from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
-from .tei import predictions, read_request
+from .tei import check_default_task, predictions, read_request, unsupported
 
 app = FastAPI(
     title="fusionserve",
@@ -53,7 +54,6 @@ app = FastAPI(
 )
 # no 307 to the path without its trailing slash: Starlette builds that redirect from the request's Host header
 app.router.redirect_slashes = False
-_JSON = "application/json"
 _READY_EVERY_S = 5.0
 _REVISION_POLL_S = 0.25  # how often a replica of a live artifact stats its revision pointer
 _replica: "FusionServe | None" = None  # this process's replica (Serve runs one per process): the fast path's target
@@ -206,10 +206,7 @@ class FusionServe(OipGrpc):
         # the keys from this process's own environment (never an argument: see serving/api/auth.py); none set: refused
         self.keys = KeyCheck.from_env(api_key_env) if api_key_env else None
         self.open_metrics = open_metrics
-        if default_task is not None and default_task not in artifact.tasks:
-            raise FusionServeError(
-                f"default_task '{default_task}' is not a task of {artifact.folder}; known tasks: {', '.join(artifact.tasks)}"
-            )
+        check_default_task(artifact, default_task)
         self.default_task = default_task
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
             os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
@@ -301,17 +298,8 @@ class FusionServe(OipGrpc):
 
     @app.get("/v1/tasks")
     async def tasks(self) -> Response:
-        """Served tasks with their labels and adapters, the limits, and (a live artifact) the revision served."""
-        artifact = self.runner.artifact
-        body = {
-            "revision": artifact.revision,
-            "max_seq_len": artifact.max_seq_len,
-            "max_inputs_per_request": self.limits.max_inputs,
-            "tasks": {
-                n: {"kind": t.kind, "labels": list(t.labels), "adapters": list(t.adapters)} for n, t in artifact.tasks.items()
-            },
-        }
-        return _json(body, headers=self._headers)
+        """Served tasks with their heads, labels and adapters, the limits, and (a live artifact) the revision served."""
+        return _json(describe_tasks(self.runner.artifact, self.limits), headers=self._headers)
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
@@ -329,9 +317,9 @@ class FusionServe(OipGrpc):
     async def ready_problem(self) -> str | None:
         """None when the model answers a real request (checked at most every 5 s), else what failed."""
         if time.monotonic() - self._ready_at > _READY_EVERY_S:
-            task = next(iter(self.runner.artifact.tasks))
+            entry = next(iter(self.runner.artifact.tasks.values()))
             try:
-                await self.scheduler.submit(task, (TextInput("ready"),))
+                await self.scheduler.submit(entry.name, (probe(head(entry)),))
             except Exception as exc:  # any failure of the model path means not ready; say which
                 return bounded(f"{type(exc).__name__}: {exc}")
             self._ready_at = time.monotonic()
@@ -370,6 +358,10 @@ class FusionServe(OipGrpc):
         task = self.default_task
         if task is None:
             return _error(404, "not_found", f"POST {route}: this server has no default task (start it with --default-task TASK)")
+        entry = self.runner.artifact.tasks.get(task)  # gone (a live revision removed it): the classify path says 404
+        refusal = entry and unsupported(task, head(entry))
+        if refusal:
+            return _error(422, "unsupported_task", refusal)
         shape: dict[str, Any] = {}
 
         async def read() -> ClassifyRequest:

@@ -7,9 +7,8 @@ import asyncio
 
 from starlette.requests import Request
 
-from .schemas import HTTPError, Limits
+from .schemas import JSON, HTTPError, Limits
 
-JSON = "application/json"
 BINARY = "application/octet-stream"
 
 
