@@ -194,13 +194,20 @@ def read_outputs(asked: list[dict[str, Any]]) -> list[OutputAsk]:
     return out
 
 
+def serves(entry: TaskEntry) -> bool:
+    """Whether this protocol answers for the task: its head is one whose answer is ``label`` and ``scores``."""
+    return entry.head in _SERVED_HEADS
+
+
 def classification_only(entry: TaskEntry) -> None:
-    """Raises HTTPError 400 for a task whose head is not a classification head: this protocol serves those only."""
-    head = getattr(entry, "head", "classification")
-    if head not in _SERVED_HEADS:
-        raise bad(
-            f"model '{entry.name}' is a {head} task; the Open Inference Protocol serves classification tasks only: "
-            "use POST /v1/classify (or gRPC Classify) for it"
+    """Raises HTTPError 400 ``unsupported_task`` for a task whose head is not a classification head: this protocol
+    serves those only (its inference, metadata, configuration and readiness)."""
+    if not serves(entry):
+        raise HTTPError(
+            400,
+            "unsupported_task",
+            f"model '{entry.name}' is a {entry.head} task; the Open Inference Protocol serves classification tasks "
+            "only: use POST /v1/classify (or gRPC Classify) for it",
         )
 
 
@@ -266,12 +273,13 @@ def server_metadata() -> dict[str, Any]:
 
 def model_entry(served: Served, model: str, version: str) -> TaskEntry:
     """The task ``model`` at ``version`` (empty: the one served). Raises HTTPError 404 naming the known models or
-    the version served."""
+    the version served, and 400 ``unsupported_task`` for a task whose head this protocol does not serve."""
     entry = served.artifact.tasks.get(model)
     if entry is None:
         known = ", ".join(served.artifact.tasks)
         raise HTTPError(404, "unknown_task", f"unknown model '{model:.128}'; known models (tasks): {known}"[:1000])
     check_version(model, version, served)
+    classification_only(entry)
     return entry
 
 

@@ -174,7 +174,8 @@ class OipGrpc:
     async def ModelReady(self, raw: Any, grpc_context: Any = None) -> Any:
         async def work(req: Any) -> Any:
             served = self.runner.served
-            ready = req.name in served.artifact.tasks and req.version in ("", oip.version_of(served))
+            entry = served.artifact.tasks.get(req.name)  # a task of a head this protocol does not serve: not ready
+            ready = entry is not None and oip.serves(entry) and req.version in ("", oip.version_of(served))
             return pb.ModelReadyResponse(ready=ready)
 
         return await self._answer("ModelReady", raw, grpc_context, work)

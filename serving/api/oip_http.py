@@ -250,7 +250,9 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 router = APIRouter(tags=["Open Inference Protocol"])
-_MODEL_ERRORS = _errors(401, 404)
+_MODEL_ERRORS = _errors(401, 404) | {
+    400: {"model": OipError, "description": "a task whose head this protocol does not serve (POST /v1/classify does)"}
+}
 # the binary tensor data extension's body (the JSON header, then the inputs' bytes, as application/octet-stream or with
 # no Content-Type) is not described: no schema can say where its JSON ends (the Inference-Header-Content-Length header)
 _INFER_BODY = {JSON: {"schema": {"$ref": "#/components/schemas/InferenceRequest"}}}
