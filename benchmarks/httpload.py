@@ -28,14 +28,19 @@ class Connection:
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
 
-    async def post(self, path: str, body: bytes) -> tuple[int, float, dict[str, str]]:
+    async def post(self, path: str, body: bytes, extra: bytes = b"") -> tuple[int, float, dict[str, str]]:
+        """``extra``: more header lines, each ending in CRLF."""
         if self.writer is None:
             await self.open()
         assert self.reader is not None and self.writer is not None
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode()
+            (
+                f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n"
+            ).encode()
+            + extra
+            + b"\r\n"
+        )
         started = time.perf_counter()
         self.writer.write(head + body)
         status, headers = await self._head()
@@ -104,7 +109,7 @@ class Tally:
         }
 
 
-async def _closed_loop(host: str, port: int, path: str, body: Callable[[int], bytes], clients: int, seconds: float) -> dict:
+async def _closed_loop(host: str, port: int, path: str, body: Callable[[int], Any], clients: int, seconds: float) -> dict:
     tally = Tally()
     stop_at = time.perf_counter() + seconds
 
@@ -113,7 +118,8 @@ async def _closed_loop(host: str, port: int, path: str, body: Callable[[int], by
         while time.perf_counter() < stop_at:
             tally.sent += 1
             try:
-                status, ms, headers = await conn.post(path, body(i))
+                made = body(i)  # the body, or (the body, more header lines)
+                status, ms, headers = await conn.post(path, *(made if isinstance(made, tuple) else (made,)))
             except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError):
                 status, ms, headers = -1, 0.0, {}
                 await conn.close()
@@ -130,10 +136,9 @@ async def _closed_loop(host: str, port: int, path: str, body: Callable[[int], by
     return tally.summary(clients, time.perf_counter() - started)
 
 
-def closed_loop(
-    port: int, path: str, body: Callable[[int], bytes], clients: int, seconds: float, host: str = "127.0.0.1"
-) -> dict:
-    """``clients`` connections, each sending its next request as soon as the last one answered, for ``seconds``."""
+def closed_loop(port: int, path: str, body: Callable[[int], Any], clients: int, seconds: float, host: str = "127.0.0.1") -> dict:
+    """``clients`` connections, each sending its next request as soon as the last one answered, for ``seconds``.
+    ``body(i)``: request i's body, or (its body, more header lines ending in CRLF)."""
     return asyncio.run(_closed_loop(host, port, path, body, clients, seconds))
 
 

@@ -3,6 +3,7 @@
     python -m benchmarks.load [ARTIFACT] [--ingress haproxy proxy haproxy-default proxy-throughput]
                               [--clients 1 4 16 64] [--seconds 15] [--texts rotten_tomatoes] [--soak SECONDS]
                               [--grpc-rounds 10] [--cost-rounds 5] [--cost-seconds 3]
+                              [--oip-clients 1 16] [--oip-rounds 3] [--oip-seconds 10]
 
 ARTIFACT defaults to the built-in model. For each ingress a fresh ``fusionserve serve`` (Ray reads its settings
 when it starts) gets, after a warm-up, closed-loop clients (each sends its next request when the last one
@@ -15,6 +16,10 @@ requests far past the queue limit (how fast the excess is refused), and the time
 bare uvicorn + FastAPI echo app (the floor of any Python HTTP server here) and the same texts through ONNX
 Runtime in-process. ``--soak`` adds a long run at 16 clients with the memory of every server process at its
 start and end.
+
+The Open Inference Protocol is measured beside /v1/classify on each server (``benchmarks/oip.py``): ``--oip-rounds``
+rounds of /v1/classify, OIP JSON and binary tensors (the same client), and Triton's own asyncio clients (HTTP and
+gRPC), at each of ``--oip-clients``, the order rotating per round.
 
 Then ``--cost-rounds`` rounds alternate the model in this process as the server runs it (batch 1, no spinning threads)
 and one HTTP client against the idle server: what the server itself adds to a request, read in one run.
@@ -32,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import grpcload, servers
+from benchmarks import grpcload, oip, servers
 from benchmarks.httpload import burst, closed_loop
 from benchmarks.load_report import markdown, plot
 from benchmarks.report import machine, record
@@ -136,6 +141,11 @@ def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[s
             row["mean_batch"] = round((after[0] - before[0]) / max(after[1] - before[1], 1), 2)
             out["rows"].append(row)
             print(f"  {ingress}, {clients} clients: {row}", file=sys.stderr)
+        if args.oip_rounds:
+            say = lambda text: print(text, file=sys.stderr)  # noqa: E731
+            out["oip"] = oip.compare(
+                server.port, grpc_port, task, texts, args.oip_clients, args.oip_seconds, args.oip_rounds, say
+            )
         if grpc_port is not None:
             message = grpcload.messages(task, texts)
             grpcload.closed_loop_grpc(grpc_port, message, 1, 2.0)  # warm-up: the channel, the replica's gRPC server
@@ -228,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cost-rounds", type=int, default=5, help="rounds of in-process (as served) vs 1-client HTTP per server (0: none)"
     )
     p.add_argument("--cost-seconds", type=float, default=3.0, help="seconds of each run in those rounds")
+    p.add_argument("--oip-clients", nargs="+", type=int, default=[1, 16], help="client counts of the OIP comparison")
+    p.add_argument("--oip-rounds", type=int, default=3, help="rounds of the OIP comparison per server (0: none)")
+    p.add_argument("--oip-seconds", type=float, default=10.0, help="seconds of each run in those rounds")
     p.add_argument("--render-only", action="store_true", help="redo table and plot from the recorded results/load.json")
     p.add_argument(
         "--soak-only", action="store_true", help="run only the soak (--soak seconds) and add it to the recorded results/load.json"

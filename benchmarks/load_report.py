@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.oip import markdown as oip_markdown
+
 
 def _row(x: dict[str, Any]) -> str:
     return (
@@ -151,7 +153,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Command: `{r['command']}`",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores (server, clients and Ray share them); {m['python']}, onnxruntime {m['onnxruntime']}; "
-        f"{m['date']}. Task `{r['task']}` of `{r['artifact']}` on {r['device']}, {r['replicas']} replica(s), one real sentence per "
+        f"{m['date']}, load average {m.get('load_average', '-')} at the start. Task `{r['task']}` of `{r['artifact']}` on "
+        f"{r['device']}, {r['replicas']} replica(s), one real sentence per "
         f"request, {r['seconds']:.0f} s per row, keep-alive closed-loop clients.",
         "",
         *_comparison(r),
@@ -172,6 +175,8 @@ def markdown(r: dict[str, Any]) -> str:
             "| clients | requests | errors | lost | req/s | p50 (ms) | p95 (ms) | p99 (ms) | mean batch |",
         ]
         lines += ["|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *[_row(x) for x in v["rows"]]]
+        if "oip" in v:
+            lines += ["", *oip_markdown(v["oip"])]
     lines += ["", *_targets(r, next(iter(r["ingress"])))]
     if any("grpc_vs_http" in v for v in r["ingress"].values()):
         lines += ["", *_grpc(r)]

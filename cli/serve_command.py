@@ -84,6 +84,7 @@ def add_serve(sub: Any) -> None:
         "--grpc-port", type=int, help="also serve gRPC (fusionserve.v1.Classifier, serving/api/fusionserve.proto) on this port"
     )
     _add_access(sv)
+    _add_observability(sv)
     _add_scaling(sv)
     sv.set_defaults(run=run_serve, needs="serve")
 
@@ -99,6 +100,27 @@ def _add_access(sv: Any) -> None:
     access.add_argument("--private-metrics", action="store_true", help="/metrics asks for the API key too (default: open)")
     access.add_argument(
         "--default-task", help="answer TEI's POST /predict and the Hugging Face Inference API's POST / for this task"
+    )
+
+
+def _add_observability(sv: Any) -> None:
+    group = sv.add_argument_group("traces and logs (see docs/guides/tracing.md)")
+    group.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export one OpenTelemetry trace per request over OTLP/HTTP to this collector (http://host:4318, or its "
+        "/v1/traces URL; needs pip install 'fusionserve[otel]'); default: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT if set, "
+        "else no tracing",
+    )
+    group.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        help=f"share of requests traced, 0..1 (default {_d('trace_sample_ratio')}; a caller's traceparent decides for its own)",
+    )
+    group.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="json: every log line one JSON object, with the request's trace_id (default text)",
     )
 
 
@@ -174,7 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "host", "port", "replicas", "max_batch_size", "batch_wait_ms", "max_queued", "max_ongoing", "max_inputs",
         "max_body_bytes", "threads", "device", "max_batch_tokens", "ingress", "body_timeout_s", "replace", "grpc_port",
         "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s",
-        "look_back_period_s", "ship_artifact", "default_task",
+        "look_back_period_s", "ship_artifact", "default_task", "otlp_endpoint", "trace_sample_ratio", "log_format",
     )  # fmt: skip
     # an option not given is left out: its default is the application's (AppArgs), written in one place
     chosen = {n: getattr(args, n) for n in names if getattr(args, n) is not None} | _api_key_options(args)

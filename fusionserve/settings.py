@@ -14,6 +14,12 @@ to preload into the Ray it starts, instead of building one with the system's C c
 (comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
 
 ``CC``: the C compiler that builds the loopback shim, tried before ``cc``, ``gcc`` and ``clang`` on the PATH.
+
+OpenTelemetry's standard variables, as the tracing of ``fusionserve serve`` reads them (serving/api/tracing.py; the
+SDK's OTLP exporter reads the rest itself, headers and timeouts included): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (either set turns tracing on, as ``--otlp-endpoint`` does),
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` (only ``http/protobuf`` is served) and
+``OTEL_SERVICE_NAME`` (default ``fusionserve``).
 """
 
 from __future__ import annotations
@@ -51,3 +57,14 @@ def api_keys(variable: str = API_KEY_ENV) -> tuple[str, ...]:
 def c_compiler() -> str | None:
     """``$CC`` (the C compiler the loopback shim is built with first), or None."""
     return os.environ.get("CC") or None
+
+
+def otlp_env() -> dict[str, str]:
+    """OpenTelemetry's OTLP settings in the environment that fusionserve reads itself: ``endpoint`` (the traces
+    endpoint, or the base one), ``protocol`` and ``service_name``, each only when set."""
+    found = {
+        "endpoint": os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        "protocol": os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"),
+        "service_name": os.environ.get("OTEL_SERVICE_NAME"),
+    }
+    return {k: v.strip() for k, v in found.items() if v and v.strip()}

@@ -110,6 +110,9 @@ class AppArgs(BaseModel):
     api_key_env: str | None = default("api_key_env")  # the variable holding the API key(s), never the key
     open_metrics: bool = default("open_metrics")
     default_task: str | None = default("default_task")
+    otlp_endpoint: str | None = default("otlp_endpoint")
+    trace_sample_ratio: float = default("trace_sample_ratio")
+    log_format: str = default("log_format")
 
     @model_validator(mode="after")
     def _in_range(self) -> "AppArgs":
@@ -221,9 +224,12 @@ def app_builder(args: AppArgs) -> Any:
         max_ongoing_requests=args.ongoing_per_replica,
         max_queued_requests=args.max_queued,
         ray_actor_options=options,
+        # Serve's own JSON log format for the replicas' log lines (fusionserve's lines add the request's trace id)
+        **({"logging_config": {"encoding": "JSON"}} if args.log_format == "json" else {}),
     )
     artifact = args.artifact if not Path(args.artifact).is_absolute() else str(Path(args.artifact).resolve())
     return dep.bind(
         artifact, args.request_limits(), args.batch_limits(), args.threads_per_replica, device, args.artifact_sha256,
         api_key_env=args.api_key_env, open_metrics=args.open_metrics, default_task=args.default_task,
+        otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio, log_format=args.log_format,
     )  # fmt: skip

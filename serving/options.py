@@ -52,6 +52,11 @@ OPTIONS: dict[str, Option] = {
     "open_metrics": _opt(True, lambda v: isinstance(v, bool), "true or false"),  # false: /metrics asks for the key too
     # TEI's POST /predict and the Inference API's POST / answer for this task (checked against the artifact's tasks)
     "default_task": _opt(None, lambda v: 0 < len(v) <= MAX_TASK_NAME_CHARS, "a task name", optional=True),
+    # OpenTelemetry traces (serving/api/tracing.py): the OTLP/HTTP collector (a base URL, or its /v1/traces URL);
+    # unset, the standard OTEL_EXPORTER_OTLP_* variables may name one; neither: no tracing, nothing started
+    "otlp_endpoint": _opt(None, lambda v: re.fullmatch(r"https?://[^\s/]+(/\S*)?", v) is not None, "an http(s):// URL", True),
+    "trace_sample_ratio": _opt(1.0, lambda v: 0 <= v <= 1, "0..1"),  # share of traces kept (a caller's sampled flag wins)
+    "log_format": _opt("text", lambda v: v in ("text", "json"), "text or json"),  # json: one object a line, trace ids
 }
 MAX_BODY_BYTES_CAP = 2**30  # gRPC's message limit must stay under 2 GiB (a signed 32-bit length)
 

@@ -126,7 +126,7 @@ def launch(
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=own_group)
     deadline = time.time() + 240
-    while "fusionserve: serving" not in log.read_text():
+    while not _says_serving(log.read_text()):
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         if time.time() > deadline:
@@ -134,6 +134,11 @@ def launch(
             pytest.fail(f"server not serving in 240 s:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
     return Served(f"http://127.0.0.1:{port}", port, proc, log)
+
+
+def _says_serving(text: str) -> bool:
+    """The server's line that it serves, as text or (``--log-format json``) as a JSON object."""
+    return "fusionserve: serving" in text or '"message": "serving ' in text
 
 
 def stop(served: Served, sig: int = signal.SIGINT) -> None:

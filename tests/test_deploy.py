@@ -204,3 +204,57 @@ def test_serve_config_is_what_print_config_writes_for_the_command_it_names(varia
     # the same arguments, a default written out or not
     assert AppArgs(**p_args, **BY_HAND[variant]).model_dump() == AppArgs(**w_args).model_dump()
     assert set(p_args) | set(BY_HAND[variant]) <= set(w_args)
+
+
+# --- KServe: the InferenceService (serving.kserve.io/v1beta1) for the Open Inference Protocol ------------------------
+
+# KServe's v1beta1 types (pkg/apis/serving/v1beta1: InferenceService, InferenceServiceSpec, PredictorSpec,
+# ComponentExtensionSpec), the fields this manifest may hold; the containers are left to the Kubernetes models
+_PREDICTOR = {
+    "type": "object",
+    "required": ["containers"],
+    "additionalProperties": False,
+    "properties": {"containers": {"type": "array", "minItems": 1, "maxItems": 1}, "minReplicas": _INT, "maxReplicas": _INT,
+                   "scaleMetric": {"enum": ["cpu", "memory", "concurrency", "rps"]}, "scaleTarget": _INT,
+                   "serviceAccountName": {"type": "string"}, "timeout": _INT, "containerConcurrency": _INT,
+                   "nodeSelector": _STRINGS, "tolerations": {"type": "array"}, "labels": _STRINGS, "annotations": _STRINGS},
+}  # fmt: skip
+INFERENCESERVICE = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "serving.kserve.io/v1beta1"},
+        "kind": {"const": "InferenceService"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["predictor"],
+            "additionalProperties": False,
+            "properties": {"predictor": _PREDICTOR},
+        },
+    },
+}
+
+
+def test_kserve_inferenceservice_serves_the_open_inference_protocol_of_the_image():
+    from fusionserve.cli.main import build_parser
+    from fusionserve.serving.api.app import app
+    from fusionserve.serving.api.auth import is_open
+    from fusionserve.serving.api.openapi import describe
+
+    doc = yaml.safe_load((DEPLOY / "kserve-inferenceservice.yaml").read_text())
+    jsonschema.validate(doc, INFERENCESERVICE)
+    (container,) = doc["spec"]["predictor"]["containers"]
+    assert _k8s(container, "V1Container", "predictor") == [] and container["name"] == "kserve-container"
+    assert container["image"] == "fusionserve:cpu"
+    entrypoint = next(
+        ln for ln in (DEPLOY.parent / "Dockerfile").read_text().splitlines() if ln.startswith("ENTRYPOINT") and "cpu" in ln
+    )
+    args = build_parser().parse_args(yaml.safe_load(entrypoint.removeprefix("ENTRYPOINT"))[1:] + container["args"])
+    assert [p["containerPort"] for p in container["ports"]] == [args.port]
+    paths = set(describe(app)["paths"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["port"] == args.port and get["path"] in paths and is_open(get["path"], True)  # no key for probes
+    key = next(e for e in container["env"] if e["name"] == API_KEY_ENV)  # from a Secret, never written here
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "fusionserve-api-key", "key": "api-key", "optional": True}

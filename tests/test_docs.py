@@ -92,16 +92,17 @@ def test_http_reference_names_every_route(pages: dict[str, str]) -> None:
 
 def test_grpc_reference_names_every_method(pages: dict[str, str]) -> None:
     page = pages["reference/grpc.md"]
-    proto = (ROOT / "serving" / "api" / "fusionserve.proto").read_text()
-    package = re.search(r"^package ([\w.]+);", proto, flags=re.M).group(1)
-    methods = []
-    for service, body in re.findall(r"service (\w+) \{(.*?)\n\}", proto, flags=re.S):
-        methods += [f"/{package}.{service}/{rpc}" for rpc in re.findall(r"rpc (\w+)\(", body)]
-    assert methods
-    for method in methods:
-        assert f"`{method}`" in page, f"gRPC method {method} is not in the gRPC reference"
-    for message in re.findall(r"^message (\w+)", proto, flags=re.M):
-        assert f"### {message}" in page, f"gRPC message {message} is not in the gRPC reference"
+    for name in ("fusionserve.proto", "grpc_predict_v2.proto"):  # fusionserve's service and the Open Inference Protocol's
+        proto = (ROOT / "serving" / "api" / name).read_text()
+        package = re.search(r"^package ([\w.]+);", proto, flags=re.M).group(1)
+        methods = []
+        for service, body in re.findall(r"service (\w+) \{(.*?)\n\}", proto, flags=re.S):
+            methods += [f"/{package}.{service}/{rpc}" for rpc in re.findall(r"rpc (\w+)\(", body)]
+        assert methods
+        for method in methods:
+            assert f"`{method}`" in page, f"gRPC method {method} is not in the gRPC reference"
+        for message in re.findall(r"^message (\w+)", proto, flags=re.M):
+            assert f"### {message}" in page, f"gRPC message {message} is not in the gRPC reference"
 
 
 _METRIC_CALL = re.compile(r"\b(?:Counter|Histogram|Gauge|Summary|Info|Enum|\w*MetricFamily)\(\s*(f?)\"([^\"]+)\"")

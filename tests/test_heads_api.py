@@ -326,3 +326,26 @@ def _reader(body: dict):
         return parse_fields(body)
 
     return read
+
+
+def test_a_request_whose_rows_span_batches_records_every_batch_for_its_trace(core, heads):
+    """A multiple-choice input (a row per choice) and a question-answering input (a row per window) on a scheduler
+    that takes 2 rows (1 row) a batch: each request's rows run in several batches, its answer is the one a single
+    batch gives, and its result names every batch its rows ran in, in order (``JobResult.spans``: the trace's
+    per-batch spans, serving/api/tracing.py), each within the request's time."""
+    from fusionserve.serving.model.predictions import ChoiceInput
+
+    runner = OnnxRunner(heads.artifact, threads=1, device="cpu")
+    for task, inp, size in [("swag", ChoiceInput(SENTENCES[2], tuple(THREE)), 2), ("squad", QAInput(*QUESTIONS[0]), 1)]:
+        sched = Scheduler(runner, BatchLimits(max_batch_size=size))
+        split = asyncio.run(sched.submit(task, [inp]))
+        whole = asyncio.run(core.scheduler.submit(task, [inp]))
+        rows = len(whole.tasks[task].outputs[0])  # 3 choices; the context's windows
+        assert rows > size and whole.batches == 1 and split.batches == -(-rows // size) == len(split.spans), split
+        for a, b in zip(split.tasks[task].outputs[0], whole.tasks[task].outputs[0], strict=True):
+            np.testing.assert_allclose(a, b, atol=TOL)
+        assert sum(s.inputs for s in split.spans) == rows and all(s.tasks == (task,) for s in split.spans)
+        at = split.submitted_s
+        for step in [split.tokenized_s] + [t for s in split.spans for t in (s.taken_s, s.model_start_s, s.model_end_s)]:
+            assert at <= step, (task, split)
+            at = step

@@ -10,6 +10,7 @@ The server waits up to 400 ms for a batch to fill (--batch-wait-ms 400): a reque
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -24,9 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from fusionserve.cli.main import main
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
+from fusionserve.serving.api import grpc_predict_v2_pb2 as v2
+from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.heads_helpers import HeadsModel, build_heads
+from tests.oip_helpers import bytes_tensor, request
 from tests.serving_helpers import call, free_port, launch, stop
 
 pytestmark = pytest.mark.slow
@@ -47,6 +51,7 @@ def server(heads, tmp_path_factory):
                     "--threads", "1", "--max-batch-size", "32", "--batch-wait-ms", "400", "--max-inputs", "16")  # fmt: skip
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     served.stub = pb_grpc.ClassifierStub(channel)
+    served.oip = v2_grpc.GRPCInferenceServiceStub(channel)  # the Open Inference Protocol's service, on the same port
     yield served
     channel.close()
     stop(served)
@@ -254,3 +259,32 @@ def test_tei_routes_refuse_a_default_task_that_is_not_classification(heads):
     out = subprocess.run([*base, "--default-task", "sts"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the default task 'sts' is regression" in out.stderr
     assert "use POST /v1/classify" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_open_inference_protocol_refuses_tasks_whose_head_is_not_classification(server):
+    """The Open Inference Protocol answers ``label`` and ``scores``: a regression or a tagging task is refused by name
+    (400 / INVALID_ARGUMENT, type ``unsupported_task``, pointing at /v1/classify) for inference, metadata and
+    configuration, and is not ready, over HTTP and gRPC; a classification task of the same artifact is served."""
+    body = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [SENTENCES[0]]}]}).encode()
+    for task, kind in (("sts", "regression"), ("ner", "tagging")):
+        says = f"model '{task}' is a {kind} task; the Open Inference Protocol serves classification tasks only"
+        for method, path in (("POST", "infer"), ("GET", ""), ("GET", "config"), ("GET", "ready")):
+            url = f"/v2/models/{task}/{path}".rstrip("/")
+            status, headers, got = request(server.port, method, url, body if method == "POST" else None)
+            assert (status, headers["x-fusionserve-error-type"]) == (400, "unsupported_task"), (url, status, got)
+            assert says in json.loads(got)["error"] and "use POST /v1/classify" in json.loads(got)["error"], got
+        msg = v2.ModelInferRequest(model_name=task)
+        msg.inputs.add(name="text", datatype="BYTES", shape=[1])
+        msg.raw_input_contents.append(bytes_tensor([SENTENCES[0]]))
+        for rpc, req in ((server.oip.ModelInfer, msg), (server.oip.ModelMetadata, v2.ModelMetadataRequest(name=task))):
+            with pytest.raises(grpc.RpcError) as err:
+                rpc(req, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details(), err.value
+            assert dict(err.value.trailing_metadata())[ERROR_TYPE_KEY] == "unsupported_task"
+        assert not server.oip.ModelReady(v2.ModelReadyRequest(name=task), timeout=60).ready
+    # the classification task beside them is served as ever
+    assert server.oip.ModelReady(v2.ModelReadyRequest(name="rte"), timeout=60).ready
+    status, _, got = request(server.port, "POST", "/v2/models/rte/infer", body)
+    assert status == 200 and [o["name"] for o in json.loads(got)["outputs"]] == ["label", "scores"], got
+    meta = server.oip.ModelMetadata(v2.ModelMetadataRequest(name="rte"), timeout=60)
+    assert [t.name for t in meta.outputs] == ["label", "scores"]

@@ -116,6 +116,10 @@ def test_scoring_and_export_use_only_servings_contracts_not_the_http_server():
     http = {m for m in _modules() if m.startswith(SERVING + ".") and not any(m == c or m.startswith(c + ".") for c in CONTRACTS)}
     assert http >= {
         f"{SERVING}.api.app",
+        f"{SERVING}.api.oip",
+        f"{SERVING}.api.oip_http",
+        f"{SERVING}.api.oip_grpc",
+        f"{SERVING}.api.tracing",
         f"{SERVING}.process.server",
         f"{SERVING}.scheduler.batching",
     }  # the check means something

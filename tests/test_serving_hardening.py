@@ -148,11 +148,12 @@ def test_after_a_408_the_connection_is_closed(server):
         assert after == b""  # closed, not a request read as the rest of the body
 
 
-def test_a_method_no_route_has_gets_a_json_405(server):
-    """uvicorn answered an unknown method with a plain-text 400."""
+def test_a_method_http_does_not_define_gets_a_json_501(server):
+    """uvicorn answered an unknown method with a plain-text 400; HAProxy answers it (RFC 9110: 501, the server does
+    not know the method; a 405 would owe an Allow header of the path's methods)."""
     answer = _raw(server.port, b"FOO /healthz HTTP/1.1\r\nHost: x\r\n\r\n", timeout=15)
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 405") and json.loads(body)["error"]["type"] == "method_not_allowed", answer
+    assert head.startswith(b"HTTP/1.1 501") and json.loads(body)["error"]["type"] == "not_implemented", answer
 
 
 @pytest.mark.parametrize("flag", ["strict", "return_fusion_activations"])

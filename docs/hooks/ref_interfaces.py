@@ -215,13 +215,19 @@ def http_page() -> str:
 # --- gRPC ------------------------------------------------------------------------------------------------------
 
 
-def grpc_methods() -> list[tuple[str, str, str, str]]:
-    """(service full name, method, input message, output message) from the compiled descriptor."""
-    from fusionserve.serving.api import fusionserve_pb2 as pb
+def _grpc_modules() -> list[tuple[Any, str]]:
+    """(compiled module, .proto file name) of every gRPC service fusionserve serves."""
+    from fusionserve.serving.api import fusionserve_pb2, grpc_predict_v2_pb2
 
+    return [(fusionserve_pb2, "fusionserve.proto"), (grpc_predict_v2_pb2, "grpc_predict_v2.proto")]
+
+
+def grpc_methods() -> list[tuple[str, str, str, str]]:
+    """(service full name, method, input message, output message) from the compiled descriptors."""
     return [
         (service.full_name, method.name, method.input_type.full_name, method.output_type.full_name)
-        for service in pb.DESCRIPTOR.services_by_name.values()
+        for module, _ in _grpc_modules()
+        for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     ]
 
@@ -238,16 +244,14 @@ def _repeated(field: Any) -> bool:
 
 
 def grpc_page() -> str:
-    from fusionserve.serving.api import fusionserve_pb2 as pb
-
     scalars = _scalar_names()
-    proto = (ROOT / "serving" / "api" / "fusionserve.proto").read_text()
     out = [
         "# gRPC API",
         GENERATED,
-        "From `serving/api/fusionserve.proto` (installed with the package as `fusionserve/serving/api/fusionserve.proto`) and "
-        "the stubs compiled from it. Send the metadata `application: fusionserve` with every call. How to serve and "
-        "call it: [the gRPC guide](../guides/grpc.md).",
+        "From the .proto files installed with the package (`fusionserve/serving/api/fusionserve.proto`: fusionserve's own "
+        "service; `grpc_predict_v2.proto`: the Open Inference Protocol's, KServe's v2) and the stubs compiled from them; "
+        "both are served on the same port (`--grpc-port`). How to serve and call them: [the gRPC guide](../guides/grpc.md) "
+        "and [the Open Inference Protocol guide](../guides/open-inference.md).",
         "",
         "| method | request | response |",
         "|---|---|---|",
@@ -256,13 +260,19 @@ def grpc_page() -> str:
         out.append(
             f"| `/{service}/{method}` | [`{request}`](#{request.rsplit('.', 1)[-1].lower()}) | [`{response}`](#{response.rsplit('.', 1)[-1].lower()}) |"
         )
-    out += ["", "## Messages", ""]
-    for message in pb.DESCRIPTOR.message_types_by_name.values():
-        out += [f"### {message.name} {{ #{message.name.lower()} }}", "", "| field | number | type |", "|---|---:|---|"]
-        for field in message.fields:
-            kind = field.message_type.name if field.message_type else scalars.get(field.type, str(field.type))
-            repeated = "repeated " if _repeated(field) else ""
-            out.append(f"| `{field.name}` | {field.number} | {repeated}`{kind}` |")
-        out.append("")
-    out += ["## The .proto file", "", "```protobuf", proto.rstrip(), "```", ""]
+    for module, _ in _grpc_modules():
+        package = module.DESCRIPTOR.package
+        out += ["", f"## Messages of `{package}`", ""]
+        for message in module.DESCRIPTOR.message_types_by_name.values():
+            out += [f"### {message.name} {{ #{message.name.lower()} }}", "", "| field | number | type |", "|---|---:|---|"]
+            for field in message.fields:
+                kind = field.message_type.name if field.message_type else scalars.get(field.type, str(field.type))
+                if field.enum_type is not None:
+                    kind = field.enum_type.name
+                repeated = "repeated " if _repeated(field) else ""
+                out.append(f"| `{field.name}` | {field.number} | {repeated}`{kind}` |")
+            out.append("")
+    for _, name in _grpc_modules():
+        proto = (ROOT / "serving" / "api" / name).read_text()
+        out += [f"## {name}", "", "```protobuf", proto.rstrip(), "```", ""]
     return "\n".join(out)

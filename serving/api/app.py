@@ -7,7 +7,6 @@ request over the limits (or a text over the token limit in strict mode), 503 at 
 full. Batching is ``batching.Scheduler``'s: no timer at low load, a token budget under load.
 """
 
-import asyncio
 import os
 import threading
 import time
@@ -20,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,12 +32,17 @@ from ..model.heads import head, probe
 from ..model.runtime import OnnxRunner
 from ..options import bounded
 from ..scheduler.batching import BatchLimits, BatchStats, Scheduler
+from . import oip_http, tracing
+from .asgi import HeadAsGet
 from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
+from .bodies import read_body
 from .classify import Classifier, describe_tasks, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc, record_call_deadlines
 from .metrics import Metrics
+from .oip_grpc import OipGrpc
+from .openapi import describe
 from .schemas import JSON as _JSON
-from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse, check_media
+from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
 from .tei import check_default_task, predictions, read_request, unsupported
 
 app = FastAPI(
@@ -72,6 +77,13 @@ class _ClassifyFastPath:
         await response(scope, receive, send)
 
 
+def _refusal(path: str, status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    """A refusal in the shape of the route's protocol: the Open Inference Protocol's under /v2, fusionserve's elsewhere."""
+    if oip_http.is_oip_path(path):
+        return oip_http.error(status, reason, message, headers)
+    return _error(status, reason, message, headers)
+
+
 class _KeyGuard:
     """With an API key set, every request outside the open paths (probes, docs, and /metrics unless closed) must
     carry it (serving/api/auth.py), whichever route, the fast path's included: refused here with 401 before anything
@@ -93,33 +105,13 @@ class _KeyGuard:
             return
         replica.stats.observe_rejected(UNAUTHORIZED.reason)
         replica.stats.observe_request("-", UNAUTHORIZED.status, 0.0)
-        response = _error(UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.message, CHALLENGE)
+        response = _refusal(scope["path"], UNAUTHORIZED.status, UNAUTHORIZED.reason, UNAUTHORIZED.message, CHALLENGE)
         await response(scope, receive, send)
 
 
-class _HeadAsGet:
-    """HEAD on a GET route answers as GET would, without the body (Starlette's plain routes do this; FastAPI's do not,
-    so HEAD /healthz was a 405)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "HEAD":
-            await self.app(scope, receive, send)
-            return
-
-        async def headers_only(message: dict[str, Any]) -> None:
-            if message["type"] != "http.response.body":
-                await send(message)
-            elif not message.get("more_body", False):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        await self.app({**scope, "method": "GET"}, receive, headers_only)
-
-
 app.add_middleware(_ClassifyFastPath)
-app.add_middleware(_HeadAsGet)
+app.add_middleware(oip_http.OipFastPath)
+app.add_middleware(HeadAsGet)
 app.add_middleware(_KeyGuard)  # added last: the outermost, in front of the fast path too
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
@@ -133,10 +125,9 @@ def _error(status: int, reason: str, message: str, extra: dict[str, str] | None 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> Response:
-    """Unknown paths and methods get the same error shape as everything else."""
-    return _error(
-        exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"), f"{request.method} {request.url.path}: {exc.detail}"
-    )
+    """Unknown paths and methods get the same error shape as everything else (a 405 with its Allow header)."""
+    reason, path = _HTTP_TYPES.get(exc.status_code, "http_error"), request.url.path
+    return _refusal(path, exc.status_code, reason, f"{request.method} {path}: {exc.detail}", dict(exc.headers or {}))
 
 
 @app.exception_handler(RequestValidationError)
@@ -154,6 +145,20 @@ def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
     return Response(orjson.dumps(payload), status, headers, media_type=_JSON)
 
 
+def _openapi() -> dict[str, Any]:
+    """The description a client generator reads (serving/api/openapi.py): a replica without a default task leaves out
+    the routes that need one; outside a replica (the docs' reference) every route is described."""
+    replica = _replica
+    with_default = replica is None or replica.default_task is not None
+    if app.openapi_schema is None or app.openapi_schema.get("x-default-task") != with_default:
+        app.openapi_schema = describe(app, with_default) | {"x-default-task": with_default}
+    return {k: v for k, v in app.openapi_schema.items() if k != "x-default-task"}
+
+
+app.include_router(oip_http.router)
+app.openapi = _openapi  # type: ignore[method-assign]
+
+
 def _where() -> dict[str, str]:
     """This replica's Serve id and its Ray node (sent back as ``x-fusionserve-replica`` and ``x-fusionserve-node``, so
     load spread over replicas and nodes is visible)."""
@@ -169,6 +174,7 @@ def _serve_with(replica: "FusionServe") -> None:
     module's namespace, which the middlewares (shipped by reference) never see."""
     global _replica
     _replica = replica
+    oip_http.attach(replica)
 
 
 def _check_identity(folder: Path, expected: str | None) -> None:
@@ -182,15 +188,19 @@ def _check_identity(folder: Path, expected: str | None) -> None:
 
 
 @serve.ingress(app)
-class FusionServe:
-    """One replica: validation, continuous batching over every task's queue, one ONNX Runtime session, metrics."""
+class FusionServe(OipGrpc):
+    """One replica: validation, continuous batching over every task's queue, one ONNX Runtime session, metrics; the
+    Open Inference Protocol's gRPC methods come from ``OipGrpc``."""
 
     def __init__(
         self, artifact_dir: str, limits: Limits, batch: BatchLimits, threads: int | None, device: str = "auto",
         artifact_sha256: str | None = None, api_key_env: str | None = None, open_metrics: bool = True,
-        default_task: str | None = None,
+        default_task: str | None = None, otlp_endpoint: str | None = None, trace_sample_ratio: float = 1.0,
+        log_format: str = "text",
     ) -> None:  # fmt: skip
         record_call_deadlines()
+        if log_format == "json":  # Serve writes this replica's log as JSON (the deployment's logging_config)
+            tracing.log_json_with_trace_ids()
         artifact = load_artifact(artifact_dir)
         _check_identity(artifact.folder, artifact_sha256)
         # the keys from this process's own environment (never an argument: see serving/api/auth.py); none set: refused
@@ -206,13 +216,15 @@ class FusionServe:
         self.limits = limits
         self.stats = Metrics()
         self.scheduler = Scheduler(runner, batch, self._on_batch)
-        self.core = Classifier(runner.encoder, self.scheduler, limits, self.stats)
+        self.where = _where()
+        # None without an endpoint (nothing of OpenTelemetry imported); spans name this replica and its node
+        tracer = tracing.tracer_from(otlp_endpoint, trace_sample_ratio, {f"fusionserve.{k}": v for k, v in self.where.items()})
+        self.core = Classifier(runner.encoder, self.scheduler, limits, self.stats, tracer)
         self.runner = runner
         self.stats.revision.set(-1 if runner.served.revision is None else runner.served.revision)
         if runner.served.revision is not None:  # a live artifact: follow its published revision (serving/model/revisions.py)
             threading.Thread(target=self._follow_revisions, name="fusionserve-revisions", daemon=True).start()
         self._ready_at = 0.0
-        self.where = _where()
         self._headers = {f"x-fusionserve-{k}": v for k, v in self.where.items()}
         _serve_with(self)
 
@@ -260,7 +272,10 @@ class FusionServe:
     )
     async def classify(self, request: Request) -> Response:
         """Classify texts (or text pairs) for one task, or for several ("tasks") in one call."""
-        outcome = await self.core(lambda: self._read(request), "POST /v1/classify", request.headers.get(TIMEOUT_HEADER))
+        outcome = await self.core(
+            lambda: self._read(request), "POST /v1/classify", request.headers.get(TIMEOUT_HEADER),
+            traceparent=request.headers.get("traceparent"),
+        )  # fmt: skip
         if isinstance(outcome, HTTPError):
             return _error(outcome.status, outcome.reason, outcome.message)
         return _json(outcome, headers=self._headers)
@@ -291,17 +306,24 @@ class FusionServe:
         """The replica is alive."""
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "not ready: the model path fails (the error says how)"}})
     async def readyz(self) -> Response:
         """The model answers a real request (checked at most every 5 s)."""
+        problem = await self.ready_problem()
+        return _json(
+            {"status": "ready"} if problem is None else {"status": "not ready", "error": problem}, 503 if problem else 200
+        )
+
+    async def ready_problem(self) -> str | None:
+        """None when the model answers a real request (checked at most every 5 s), else what failed."""
         if time.monotonic() - self._ready_at > _READY_EVERY_S:
             entry = next(iter(self.runner.artifact.tasks.values()))
             try:
                 await self.scheduler.submit(entry.name, (probe(head(entry)),))
             except Exception as exc:  # any failure of the model path means not ready; say which
-                return _json({"status": "not ready", "error": bounded(f"{type(exc).__name__}: {exc}")}, 503)
+                return bounded(f"{type(exc).__name__}: {exc}")
             self._ready_at = time.monotonic()
-        return _json({"status": "ready"})
+        return None
 
     @app.get("/docs", include_in_schema=False)
     async def docs(self) -> Response:
@@ -320,7 +342,11 @@ class FusionServe:
 
         return Response((swagger_ui_path / name).read_bytes(), media_type=_DOCS_ASSETS[name])
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics", response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+                   401: {"description": "--private-metrics and no or a wrong API key"}},
+    )  # fmt: skip
     async def metrics(self) -> Response:
         """Prometheus text format (all replicas on this node, see serving/api/metrics.py)."""
         body, content_type = self.stats.render()
@@ -342,36 +368,16 @@ class FusionServe:
             req, shape["batch"], shape["answer"] = read_request(await self._read_body(request), task)
             return req
 
-        outcome = await self.core(read, f"POST {route}", request.headers.get(TIMEOUT_HEADER))
+        outcome = await self.core(
+            read, f"POST {route}", request.headers.get(TIMEOUT_HEADER), traceparent=request.headers.get("traceparent")
+        )
         if isinstance(outcome, HTTPError):
             return _error(outcome.status, outcome.reason, outcome.message)
         preds = predictions(outcome, shape["answer"])
         return _json(preds if nested or shape["batch"] else preds[0], headers=self._headers)
 
     async def _read_body(self, request: Request) -> bytes:
-        check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))
-        limit = self.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, "body_too_large", f"request body of {declared} bytes; the limit is {limit}")
-
-        async def read() -> bytes:
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise HTTPError(413, "body_too_large", f"request body over {limit} bytes; the limit is {limit}")
-                chunks.append(chunk)
-            return b"".join(chunks)
-
-        try:
-            return await asyncio.wait_for(read(), self.limits.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise HTTPError(
-                408,
-                "body_timeout",
-                f"the request body did not arrive within {self.limits.body_timeout_s:g} s (Content-Length {declared})",
-            ) from None
+        return await read_body(request, self.limits)
 
     async def _read(self, request: Request) -> ClassifyRequest:
         return parse_json(await self._read_body(request))

@@ -20,8 +20,9 @@ from fusionserve.settings import api_keys
 
 from .schemas import HTTPError
 
-# paths that never ask for a key: probes, and the API's own description (it names no task and no data)
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
+# paths that never ask for a key: probes (the Open Inference Protocol's too), and the API's own description (it names
+# no task and no data)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json"})
 OPEN_PREFIXES = ("/docs-assets/",)
 METRICS_PATH = "/metrics"
 UNAUTHORIZED = HTTPError(401, "unauthorized", "missing or wrong API key: send the header 'Authorization: Bearer <key>'")

@@ -22,12 +22,14 @@ from ..model import heads
 from ..model.artifact import Artifact, TaskEntry
 from ..model.heads import HeadOptions
 from ..model.predictions import ChoiceInput, Input, TextInput, read_input
+from ..model.runtime import Served
 from ..model.tokenize import Encoder
 from ..options import MAX_CHOICES
 from ..scheduler.batching import DeadlineExceeded, Overloaded, Scheduler, TooManyRows, TooManyTokens
 from ..scheduler.results import JobResult, TaskResult
 from .metrics import Metrics
 from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error, timeout_header
+from .tracing import TRACE_ID, RequestTrace, Tracer, note_request, trace_id_of
 
 _NAMED = 5  # unknown task names an error names, at most
 log = logging.getLogger("ray.serve").getChild("fusionserve")  # in the replica log files, with Serve's own
@@ -124,10 +126,13 @@ def describe_tasks(artifact: Artifact, limits: Limits) -> dict[str, Any]:
 
 
 class Classifier:
-    """The replica's classify path behind every ingress; records each call in the metrics."""
+    """The replica's classify path behind every ingress; records each call in the metrics, and in a trace when the
+    replica has a ``tracer`` (serving/api/tracing.py)."""
 
-    def __init__(self, encoder: Encoder, scheduler: Scheduler, limits: Limits, stats: Metrics) -> None:
-        self.encoder, self.scheduler, self.limits, self.stats = encoder, scheduler, limits, stats
+    def __init__(
+        self, encoder: Encoder, scheduler: Scheduler, limits: Limits, stats: Metrics, tracer: Tracer | None = None
+    ) -> None:
+        self.encoder, self.scheduler, self.limits, self.stats, self.tracer = encoder, scheduler, limits, stats, tracer
 
     @property
     def artifact(self) -> Artifact:
@@ -140,14 +145,43 @@ class Classifier:
         where: str,
         timeout: str | None = None,
         deadline: float | None = None,
+        check: Callable[[Served], None] | None = None,
+        traceparent: str | None = None,
     ) -> dict[str, Any] | HTTPError:
         """``read`` gets and parses the request (raising HTTPError for what it refuses); ``timeout`` is the
         X-Request-Timeout-Ms header's value, if any, and ``deadline`` a ``time.monotonic()`` instant set by the
         transport (a gRPC call's own deadline); the request's ``timeout_ms`` counts too: the earliest deadline wins,
-        the timeouts counted from the moment it arrived. Returns the answer (one task's, or ``{"results": [...]}`` for several),
-        or the refusal to send instead. Never raises, except CancelledError when the caller goes away (the request's
-        rows not yet computed are dropped, and it is counted as dropped): an error of ours becomes a 500 refusal
-        whose id is in the log."""
+        the timeouts counted from the moment it arrived. ``check`` sees the revision the request is answered from
+        before it is queued (raising HTTPError to refuse it: a protocol's model version). ``traceparent``: the
+        caller's W3C trace context, continued by the request's trace (``where`` names its root span). Returns the
+        answer (one task's, or ``{"results": [...]}`` for several), or the refusal to send instead. Never raises,
+        except CancelledError when the caller goes away (the request's rows not yet computed are dropped, and it is
+        counted as dropped): an error of ours becomes a 500 refusal whose id is in the log."""
+        trace_id = trace_id_of(traceparent) or (self.tracer.new_trace_id() if self.tracer is not None else None)
+        if trace_id is None:
+            return await self._classify(read, where, timeout, deadline, check, None)
+        TRACE_ID.set(trace_id)  # this request's task: its log lines carry the id
+        note_request(trace_id)
+        trace = RequestTrace(where, traceparent, trace_id, time.perf_counter())
+        outcome = await self._classify(read, where, timeout, deadline, check, trace)
+        if self.tracer is not None:
+            trace.answered_s = time.perf_counter()
+            if isinstance(outcome, HTTPError):
+                trace.status, trace.error_type = outcome.status, outcome.reason
+            else:
+                trace.status = 200
+            self.tracer.record(trace)
+        return outcome
+
+    async def _classify(
+        self,
+        read: Callable[[], Awaitable[ClassifyRequest]],
+        where: str,
+        timeout: str | None,
+        deadline: float | None,
+        check: Callable[[Served], None] | None,
+        trace: RequestTrace | None,
+    ) -> dict[str, Any] | HTTPError:
         started, arrived = time.perf_counter(), time.monotonic()
         task = "-"  # only known task names become metric labels
         try:
@@ -155,12 +189,16 @@ class Classifier:
             limits_ms = [t for t in (timeout_header(timeout),) if t is not None]
             req = await read()
             served = self.scheduler.runner.served  # the revision this request is checked against and answered from
+            if check is not None:
+                check(served)
             entries = self._tasks(req.task_names, served.artifact)
             task = req.task_names[0] if req.task is not None else "multi"
             inputs, options = self._check(req, entries)
             if req.timeout_ms is not None:
                 limits_ms.append(req.timeout_ms)
             deadline = min([d for d in (deadline,) if d is not None] + [arrived + ms / 1000 for ms in limits_ms], default=None)
+            if trace is not None:
+                trace.parsed_s, trace.task, trace.inputs = time.perf_counter(), task, len(inputs)
             result = await self.scheduler.submit(
                 req.task_names,
                 inputs,
@@ -171,6 +209,8 @@ class Classifier:
                 options=options,
                 max_rows=self.limits.max_inputs,
             )
+            if trace is not None:
+                trace.result = result
             answers = await _answers(req, entries, inputs, result, options)
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
             return answers[0] if req.task is not None else {"results": answers}

@@ -19,27 +19,22 @@ from google.protobuf.message import DecodeError
 
 from ..model.heads import QA_OPTIONS
 from . import fusionserve_pb2 as pb
+from . import oip_grpc
 from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
 from .classify import Classifier, parse_fields
+from .grpc_status import CALL_DEADLINE, ERROR_TYPE_KEY, STATUS_CODES, call_deadline, grpc_code, refuse
 from .schemas import ClassifyRequest, HTTPError
 
 METHOD = "/fusionserve.v1.Classifier/Classify"
-# the HTTP status of a refusal -> its gRPC code: the caller's mistakes are INVALID_ARGUMENT whatever the HTTP side
-# calls them (the type in the trailer tells them apart), a missing task NOT_FOUND, overload UNAVAILABLE (retry)
-STATUS_CODES = {
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-ERROR_TYPE_KEY = "fusionserve-error-type"
-CALL_DEADLINE = "_fusionserve_call_deadline"  # the gRPC call's deadline (time.monotonic()), see record_call_deadlines
-# a call still queued this long before its own deadline is dropped and answered DEADLINE_EXCEEDED by us, before gRPC
-# cancels it at the deadline (which would count it as a caller gone): no queued request is answered within it
-CALL_DEADLINE_MARGIN_S = 0.02
+__all__ = [
+    "CALL_DEADLINE",
+    "ERROR_TYPE_KEY",
+    "STATUS_CODES",
+    "add_servicer",
+    "classify_grpc",
+    "grpc_code",
+    "record_call_deadlines",
+]
 SERVICE = "fusionserve.v1.Classifier"
 MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC servers' message limit, read when they start
 TRANSPORT_FLOOR_BYTES = 4 * 1024 * 1024  # gRPC's own default: room for the answers, which share the limit
@@ -56,7 +51,8 @@ def transport_env(max_body_bytes: int) -> dict[str, str]:
 
 def add_servicer(servicer: Any, server: Any) -> None:
     """Add ``Classify`` to ``server`` with the request left as bytes (see the module docstring); what the generated
-    ``add_ClassifierServicer_to_server`` does otherwise."""
+    ``add_ClassifierServicer_to_server`` does otherwise. The Open Inference Protocol's service goes beside it
+    (``oip_grpc.add_servicer``): one servicer function for both, the one Serve configs name."""
     handlers = {
         "Classify": grpc.unary_unary_rpc_method_handler(
             servicer.Classify, request_deserializer=None, response_serializer=pb.ClassifyResponse.SerializeToString
@@ -65,11 +61,7 @@ def add_servicer(servicer: Any, server: Any) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62
         server.add_registered_method_handlers(SERVICE, handlers)
-
-
-def grpc_code(status: int) -> grpc.StatusCode:
-    """The gRPC code of a refusal with HTTP ``status`` (anything unlisted is INTERNAL)."""
-    return STATUS_CODES.get(status, grpc.StatusCode.INTERNAL)
+    oip_grpc.add_servicer(servicer, server)
 
 
 def _input(i: pb.Input) -> Any:
@@ -179,7 +171,7 @@ async def classify_grpc(
     if keys is not None and not keys.allows(grpc_authorization(context.invocation_metadata() if context else ())):
         core.stats.observe_rejected(UNAUTHORIZED.reason)
         core.stats.observe_request("-", UNAUTHORIZED.status, 0.0)
-        _refuse(context, UNAUTHORIZED, where)
+        refuse(context, UNAUTHORIZED, where)
         return pb.ClassifyResponse()
 
     async def read() -> ClassifyRequest:
@@ -188,10 +180,10 @@ async def classify_grpc(
             raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
         return parse_fields(request_fields(decode(raw)))
 
-    call_deadline = getattr(context, CALL_DEADLINE, None)
-    outcome = await core(read, METHOD, deadline=None if call_deadline is None else call_deadline - CALL_DEADLINE_MARGIN_S)
+    traceparent = next((v for k, v in context.invocation_metadata() if k == "traceparent"), None) if context else None
+    outcome = await core(read, METHOD, deadline=call_deadline(context), traceparent=traceparent)
     if isinstance(outcome, HTTPError):
-        _refuse(context, outcome, where)
+        refuse(context, outcome, where)
         return pb.ClassifyResponse()
     if context is not None:
         context.set_trailing_metadata([(f"fusionserve-{k}", v) for k, v in where.items()])
@@ -218,10 +210,3 @@ def record_call_deadlines() -> None:
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[method-assign]
-
-
-def _refuse(context: Any, refusal: HTTPError, where: dict[str, str]) -> None:
-    if context is not None:
-        context.set_code(grpc_code(refusal.status))
-        context.set_details(refusal.message)
-        context.set_trailing_metadata([(ERROR_TYPE_KEY, refusal.reason), *((f"fusionserve-{k}", v) for k, v in where.items())])

@@ -6,8 +6,9 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
 - a request (headers and body) not complete within the body timeout is answered 408 by HAProxy itself, which closes
   the connection: a 408 from the replica left the client's connection open, HAProxy still waiting for the rest of
   the body, so the next request sent on it was read as that body and hung;
-- that 408 and a method no route has (a JSON 405; uvicorn answered an unknown method with a plain-text 400) are the
-  JSON error body every other refusal has. (What HAProxy refuses while parsing, before any rule runs: a bad request
+- that 408 and a method HTTP does not define (a JSON 501; uvicorn answered an unknown method with a plain-text 400)
+  are the JSON error body every other refusal has. A method HTTP defines reaches the replica, which answers a route
+  that does not take it with 405 and the route's ``Allow`` header (RFC 9110; HAProxy cannot know a path's methods). (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
 The wrapper also binds HAProxy's own pages (stats, Prometheus), which Serve's template puts on every interface
@@ -33,7 +34,10 @@ from pathlib import Path
 
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
-_REASONS = {405: "Method Not Allowed", 408: "Request Timeout"}
+_REASONS = {408: "Request Timeout", 501: "Not Implemented"}
+# the methods HTTP defines (RFC 9110, PATCH, and QUERY, which uvicorn parses), passed to the replica; CONNECT is left
+# to HAProxy
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "QUERY")
 
 
 def _page(status: int, reason: str, message: str) -> bytes:
@@ -79,14 +83,14 @@ def write_wrapper(folder: Path, command: list[str], body_timeout_s: float, priva
     of it) with the arguments it was given."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
-    (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
+    (folder / "501.json").write_bytes(_page(501, "not_implemented", "this method is not served").split(b"\r\n\r\n", 1)[1])
     rules = [
         MARK,
         "option http-buffer-request",  # wait for the body (up to a buffer's size): the timeout below covers it
         f"timeout http-request {max(1, round(body_timeout_s * 1000))}ms",
         f"errorfile 408 {folder / '408.http'}",
-        f"http-request return status 405 content-type application/json file {folder / '405.json'} "
-        "if !METH_GET !METH_HEAD !METH_POST",
+        f"http-request return status 501 content-type application/json file {folder / '501.json'} "
+        f"unless {{ method {' '.join(METHODS)} }}",
     ]
     (folder / "additions.cfg").write_text("".join(f"    {line}\n" for line in rules))
     wrapper = folder / "haproxy"

@@ -33,6 +33,7 @@ from .supervise import (
     reap_stale,
     record,
     resume_supervised,
+    status_line,
     supervise,
     supervise_end,
 )
@@ -172,6 +173,8 @@ def _set_ray_env(cfg: ServerConfig, folder: Path) -> None:
     proxy's gRPC message limit. (What keeps them on loopback is in this process's environment from its start on:
     ``serve_supervised``.)"""
     os.environ.update(ingress_env(cfg.ingress, folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
+    if cfg.app.log_format == "json":  # each line written as it is logged (Serve's throughput settings buffer 1000)
+        os.environ["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] = "1"
 
 
 def grpc_options(port: int | None) -> dict[str, Any]:
@@ -328,7 +331,7 @@ def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
     after cleaning up."""
 
     def say(text: str) -> None:
-        print(f"fusionserve: {text}", file=sys.stderr, flush=True)
+        print(status_line(text, cfg.app.log_format), file=sys.stderr, flush=True)
 
     _on_signals(_interrupt)
     try:

@@ -185,6 +185,15 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
+def status_line(text: str, log_format: str = "text") -> str:
+    """One line of the server's own news for its stderr: "fusionserve: text", or with ``--log-format json`` one JSON
+    object, as the replicas' log lines."""
+    if log_format != "json":
+        return f"fusionserve: {text}"
+    fields = {"asctime": time.strftime("%Y-%m-%d %H:%M:%S"), "levelname": "INFO", "name": "fusionserve", "message": text}
+    return json.dumps(fields)
+
+
 def supervise() -> Path:
     """Fork the server off this process (see the module's notes). Returns, in the server (the child), its run folder;
     in the supervisor it never returns: it waits for the server, cleans up after it and exits with its code (1 when

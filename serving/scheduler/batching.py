@@ -41,7 +41,7 @@ from ..model.predictions import Input, TextInput
 from ..model.runtime import OnnxRunner, Served
 from ..options import check_ranges, default
 from .jobs import Job, Row, delivered, failed, longest, settle
-from .results import BatchStats, JobResult, shares
+from .results import BatchSpan, BatchStats, JobResult, shares
 
 
 class Overloaded(FusionServeError):
@@ -209,6 +209,7 @@ class Scheduler:
         made = [(task, t) for task, per_task in zip(job.tasks, job.units, strict=True) for u in per_task for t in u.rows]
         rows = [Row(job, index, task, t) for index, (task, t) in enumerate(made)]
         job.logits, job.acts = [None] * len(rows), [None] * len(rows)
+        job.tokenized_s = time.perf_counter()
         with self._lock:
             if job.dropped:  # its deadline passed, or its caller went away, while it was tokenized
                 return
@@ -249,8 +250,9 @@ class Scheduler:
                         self._lock.wait(self.limits.batch_wait_ms / 1000)  # a batch may wait this long to fill
                     rows = self._take()
                 if rows:
-                    logits, acts = self._run(rows)
-                    self._post(delivered(rows, logits, acts))
+                    taken = time.perf_counter()
+                    logits, acts, span = self._run(rows)
+                    self._post(delivered(rows, logits, acts, BatchSpan(taken, *span)))
             except Exception as exc:  # the runner (or the metrics) failed this batch: fail its requests, go on
                 self._post(failed(rows, exc))
 
@@ -292,13 +294,15 @@ class Scheduler:
         if row.job.queued == 0:
             self._waiting -= 1
 
-    def _run(self, rows: list[Row]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-        """One model call (in the model thread): per row, its logits and (fusion rows) its activation means."""
+    def _run(self, rows: list[Row]) -> tuple[list[np.ndarray], list[np.ndarray | None], tuple]:
+        """One model call (in the model thread): per row, its logits and (fusion rows) its activation means; and the
+        call's figures for traces (``BatchSpan``'s, from the model's start on)."""
         started = time.perf_counter()
         enc = self.runner.encoder.pad([r.tokens for r in rows])
         tasks = [r.task for r in rows]
         # fusion rows always report their activations
         out = self.runner.run_rows(tasks, enc, return_fusion_activations=True, served=rows[0].job.served)
+        ran = time.perf_counter()
         acts: list[np.ndarray | None] = []
         for k, a in enumerate(out.fusion_activations):  # a: (layers, seq, task adapters); seq may be its group's width
             if a is None:
@@ -306,13 +310,14 @@ class Scheduler:
                 continue
             mask = enc.attention_mask[k : k + 1, : a.shape[1]]  # padding is on the right: the row's tokens all stay
             acts.append(token_means(a[None], mask)[0])  # (layers, task adapters)
+        tokens = len(rows) * self.runner.padded_length(enc.input_ids.shape[1])
         if self.on_batch is not None:
             self.on_batch(
                 BatchStats(
-                    inputs=len(rows), requests=len({id(r.job) for r in rows}),
-                    tokens=len(rows) * self.runner.padded_length(enc.input_ids.shape[1]),
+                    inputs=len(rows), requests=len({id(r.job) for r in rows}), tokens=tokens,
                     model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
                     tasks=shares(tasks, acts, enc.truncated),
                 )
             )  # fmt: skip
-        return out.logits, acts
+        span = (started, ran, len(rows), tokens, tuple(dict.fromkeys(tasks)), rows[0].job.served.revision)
+        return out.logits, acts, span

@@ -13,7 +13,7 @@ from ..model.heads import HeadOptions, Unit
 from ..model.predictions import ChoiceInput, Input, TextInput
 from ..model.runtime import Served
 from ..model.tokenize import Encoder, Tokens
-from .results import JobResult, TaskResult
+from .results import BatchSpan, JobResult, TaskResult
 
 
 @dataclass(eq=False)
@@ -36,6 +36,8 @@ class Job:
     failed: bool = False
     dropped: bool = False  # deadline passed, or caller gone: its rows left the queue (or never joined it)
     enqueued: bool = False  # its rows joined the queue (tokenizing is over)
+    tokenized_s: float = 0.0  # when its rows were made (``time.perf_counter()``), for traces
+    spans: list[BatchSpan] = field(default_factory=list)  # the batches its rows ran in, for traces
 
     def __post_init__(self) -> None:
         self.left = self.queued = self.n * len(self.tasks)  # at least; the real count once tokenized
@@ -62,11 +64,13 @@ def longest(encoder: Encoder, inp: Input) -> tuple[int, bool]:
 
 
 def delivered(
-    rows: list[Row], logits: list[np.ndarray], acts: list[np.ndarray | None]
+    rows: list[Row], logits: list[np.ndarray], acts: list[np.ndarray | None], span: BatchSpan
 ) -> list[tuple[Job, JobResult | BaseException]]:
-    """Record a batch's rows in their requests; the requests it completed, with their results."""
+    """Record a batch's rows in their requests (and the batch, ``span``, in each request it had rows of: a request's
+    rows may span batches); the requests it completed, with their results."""
     for job in {id(r.job): r.job for r in rows}.values():
         job.batches += 1
+        job.spans.append(span)
     done: list[tuple[Job, JobResult | BaseException]] = []
     for k, row in enumerate(rows):
         job = row.job
@@ -108,4 +112,5 @@ def result(job: Job) -> JobResult:
         tasks[task] = TaskResult(outputs, means, [u.truncated for u in per_task], per_task)  # type: ignore[arg-type]
     truncated = [any(t.truncated[i] for t in tasks.values()) for i in range(job.n)]
     started = job.started_s if job.started_s is not None else job.arrived_s
-    return JobResult(tasks, truncated, (started - job.arrived_s) * 1000, job.batches)
+    queue_ms = (started - job.arrived_s) * 1000
+    return JobResult(tasks, truncated, queue_ms, job.batches, job.arrived_s, job.tokenized_s, tuple(job.spans))

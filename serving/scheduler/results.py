@@ -53,11 +53,30 @@ class TaskResult:
 
 
 @dataclass(frozen=True)
+class BatchSpan:
+    """One model call a request's rows went through, as a trace shows it (``time.perf_counter()`` seconds): taken
+    from the queue, the model run (padding + ONNX Runtime), the results handed back."""
+
+    taken_s: float
+    model_start_s: float
+    model_end_s: float
+    inputs: int
+    tokens: int
+    tasks: tuple[str, ...]
+    revision: int | None
+
+
+@dataclass(frozen=True)
 class JobResult:
     tasks: dict[str, TaskResult]  # in the order asked for
     truncated: list[bool]  # per input
     queue_ms: float  # arrival -> the first batch that took one of its rows
     batches: int  # how many model calls its rows went through
+    # where its time went (``time.perf_counter()`` seconds), for traces: submitted, tokenized (rows queued), and each
+    # batch it ran in
+    submitted_s: float = 0.0
+    tokenized_s: float = 0.0
+    spans: tuple[BatchSpan, ...] = ()
 
     @property
     def logits(self) -> np.ndarray:

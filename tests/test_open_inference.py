@@ -1,0 +1,462 @@
+"""End to end: the Open Inference Protocol (KServe v2, REST and gRPC) on a real `fusionserve serve` (Ray Serve, ONNX
+Runtime, HAProxy) on 127.0.0.1, spoken to by Triton's own client (tritonclient 2.73 in an environment of its own:
+tests/triton_env.py) and by raw requests for what no client sends; with OpenTelemetry traces exported to an OTLP
+receiver in this process, and JSON logs. One server for the module: an API key, gRPC, tracing of every request,
+--log-format json, small limits (8 inputs, 8 KB bodies) and a 300 ms batch wait (a lone request waits that long for
+company, which makes deadlines and mixed batches testable on any machine).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from fusionserve.serving.api import grpc_predict_v2_pb2 as v2
+from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
+from fusionserve.serving.api.grpc_status import ERROR_TYPE_KEY
+from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.oip_helpers import Triton, bytes_tensor, request, start_receiver
+from tests.serving_helpers import free_port, launch, stop
+
+pytestmark = pytest.mark.slow
+
+KEY = "k-" + os.urandom(10).hex()
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GRPC_AUTH = {"authorization": f"Bearer {KEY}"}
+MAX_BODY = 8192
+TEXTS = [SENTENCES[0], SENTENCES[2], SENTENCES[4]]
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = start_receiver()
+    yield r
+    r.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(artifact, receiver, tmp_path_factory):
+    log = tmp_path_factory.mktemp("oip-log") / "server.log"
+    grpc_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | {
+        "FUSIONSERVE_API_KEY": KEY,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    served = launch(artifact, log, "--grpc-port", str(grpc_port), "--threads", "1", "--max-inputs", "8",
+                    "--max-body-bytes", str(MAX_BODY), "--batch-wait-ms", "300", "--max-batch-size", "8",
+                    "--otlp-endpoint", receiver.endpoint, "--log-format", "json", env=env)  # fmt: skip
+    served.grpc = f"127.0.0.1:{grpc_port}"
+    served.channel = grpc.insecure_channel(served.grpc)
+    served.stub = v2_grpc.GRPCInferenceServiceStub(served.channel)
+    yield served
+    served.channel.close()
+    stop(served)
+
+
+@pytest.fixture(scope="module")
+def triton():
+    client = Triton()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def labels(artifact) -> dict[str, list[str]]:
+    return {n: t["labels"] for n, t in json.loads((artifact / "manifest.json").read_text())["tasks"].items()}
+
+
+def _url(server, client: str) -> str:
+    return server.grpc if client.startswith("grpc") else f"127.0.0.1:{server.port}"
+
+
+def _headers(client: str) -> dict[str, str]:
+    return GRPC_AUTH if client.startswith("grpc") else AUTH
+
+
+def _classify(server, task: str, inputs: list, **extra) -> dict:
+    body = json.dumps({"task": task, "inputs": inputs, **extra}).encode()
+    req = urllib.request.Request(server.url + "/v1/classify", data=body, headers={"content-type": "application/json", **AUTH})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _infer(triton, server, client: str, task: str, texts: list[str], **extra) -> dict:
+    return triton.ask(
+        op="infer", client=client, url=_url(server, client), model=task, texts=texts, headers=_headers(client), **extra
+    )
+
+
+# --- the routes, through tritonclient -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", ["http", "grpc"])
+def test_server_and_model_routes_answer_tritonclient(server, triton, labels, client):
+    def call(method, *args, headers=None):
+        return triton.ask(op="call", client=client, url=_url(server, client), method=method, args=list(args),
+                          kwargs={"headers": headers if headers is not None else _headers(client)})  # fmt: skip
+
+    assert call("is_server_live", headers={})["result"] is True  # the probes ask for no key
+    assert call("is_server_ready", headers={})["result"] is True
+    meta = call("get_server_metadata")["result"]
+    assert meta["name"] == "fusionserve" and {"classification", "binary_tensor_data", "model_configuration"} <= set(
+        meta["extensions"]
+    )
+    for task, names in labels.items():
+        assert call("is_model_ready", task)["result"] is True
+        assert call("is_model_ready", task, "1")["result"] is True and call("is_model_ready", task, "2")["result"] is False
+        model = call("get_model_metadata", task)["result"]
+        assert model["name"] == task and model["versions"] == ["1"]
+        assert [(t["name"], t["datatype"]) for t in model["inputs"]] == [("text", "BYTES"), ("text_pair", "BYTES")]
+        assert [(t["name"], t["datatype"]) for t in model["outputs"]] == [("label", "BYTES"), ("scores", "FP32")]
+        config = call("get_model_config", task)["result"]
+        config = config.get("config", config)  # gRPC answers {"config": ...}
+        assert config["name"] == task and int(config["max_batch_size"]) == 8
+        assert json.loads(config["parameters"]["labels"]["string_value"]) == names  # the columns of scores
+        assert [int(d) for d in config["output"][1]["dims"]] == [len(names)]
+        if client == "http":  # the REST metadata names the labels too
+            assert model["parameters"]["labels"] == names
+    unknown = call("get_model_metadata", "nope")
+    assert "unknown model 'nope'" in unknown["error"] and unknown["status"] in ("404", "StatusCode.NOT_FOUND")
+    assert call("is_model_ready", "nope")["result"] is False
+
+
+@pytest.mark.parametrize(
+    ("client", "binary"), [("http", True), ("http", False), ("grpc", True), ("http_aio", True), ("grpc_aio", True)]
+)
+def test_tritonclient_classifies_every_task_as_v1_classify_does(server, triton, labels, client, binary):
+    for task, names in labels.items():
+        for rank, pairs in ((2, None), (1, None), (2, [p[1] for p in PAIRS])):
+            texts = [p[0] for p in PAIRS] if pairs else TEXTS
+            got = _infer(triton, server, client, task, texts, pairs=pairs, rank=rank, binary=binary,
+                         outputs=[{"name": "label", "binary": binary}, {"name": "scores", "binary": binary}])  # fmt: skip
+            assert "error" not in got, got
+            inputs = [{"text": t, "text_pair": p} for t, p in zip(texts, pairs, strict=True)] if pairs else texts
+            want = _classify(server, task, inputs)["predictions"]
+            flat = np.array(got["outputs"]["label"]).reshape(-1).tolist()
+            assert flat == [p["label"] for p in want], (task, client)
+            assert np.array(got["outputs"]["label"]).shape == ((len(texts), 1) if rank == 2 else (len(texts),))
+            scores = np.array(got["outputs"]["scores"], dtype=np.float32)
+            np.testing.assert_array_equal(scores, np.array([[p["scores"][n] for n in names] for p in want], dtype=np.float32))
+            assert got["response"]["model_version"] == "1"
+
+
+@pytest.mark.parametrize("client", ["http", "grpc"])
+def test_the_classification_extension_answers_the_top_k_as_score_index_label(server, triton, labels, client):
+    names = labels["rte"]
+    got = _infer(triton, server, client, "rte", TEXTS, outputs=[{"name": "scores", "class_count": 2}])
+    want = _classify(server, "rte", TEXTS)["predictions"]
+    for row, pred in zip(got["outputs"]["scores"], want, strict=True):
+        top = sorted(((v, names.index(k), k) for k, v in pred["scores"].items()), key=lambda x: -x[0])[:2]
+        assert row == [f"{np.float32(v):f}:{i}:{k}" for v, i, k in top]
+    wide = _infer(triton, server, client, "rte", TEXTS[:1], outputs=[{"name": "scores", "class_count": 10}])
+    assert len(wide["outputs"]["scores"][0]) == len(names)  # k past the labels: every label
+
+
+def test_raw_scores_are_the_logits_of_v1_classify(server, triton, labels):
+    for client in ("http", "grpc"):
+        got = _infer(triton, server, client, "nli", TEXTS, parameters={"raw_scores": True})
+        want = _classify(server, "nli", TEXTS, raw_scores=True)["predictions"]
+        expected = np.array([[p["scores"][n] for n in labels["nli"]] for p in want], dtype=np.float32)
+        np.testing.assert_array_equal(np.array(got["outputs"]["scores"], dtype=np.float32), expected)
+
+
+@pytest.mark.parametrize("client", ["http", "grpc"])
+def test_every_model_route_asks_for_the_key(server, triton, client):
+    wrong = {"authorization": "Bearer nope"} if client == "grpc" else {"Authorization": "Bearer nope"}
+    for headers in ({}, wrong):
+        got = triton.ask(op="infer", client=client, url=_url(server, client), model="rte", texts=TEXTS, headers=headers)
+        assert got["status"] in ("401", "StatusCode.UNAUTHENTICATED") and "API key" in got["error"], got
+        for method, args in (("get_model_metadata", ["rte"]), ("get_model_config", ["rte"]), ("get_server_metadata", [])):
+            got = triton.ask(
+                op="call", client=client, url=_url(server, client), method=method, args=args, kwargs={"headers": headers}
+            )
+            assert got["status"] in ("401", "StatusCode.UNAUTHENTICATED"), (method, got)
+            assert KEY not in json.dumps(got)
+
+
+# --- bad input: the protocol's error, the right status and gRPC code, never a 500, never a hang ----------------------
+
+
+def _infer_body(inputs: list[dict], **extra) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+_TEXT = {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}
+BAD_JSON = [
+    ("wrong datatype", [{**_TEXT, "datatype": "INT32", "data": [1, 2]}], 400, "datatype 'INT32' is not served"),
+    ("wrong shape", [{**_TEXT, "shape": [1, 2]}], 400, "shape [1, 2] is not served"),
+    ("shape and data disagree", [{**_TEXT, "shape": [3]}], 400, "holds 3 element(s), the data has 2"),
+    ("missing text", [{**_TEXT, "name": "text_pair"}], 400, "input 'text' is missing"),
+    ("unknown input", [_TEXT, {**_TEXT, "name": "image"}], 400, "'image' is not an input"),
+    ("empty text", [{**_TEXT, "data": ["a", " "]}], 400, "inputs[1]: must be a non-empty string"),
+    ("too many inputs", [{**_TEXT, "shape": [9], "data": ["a"] * 9}], 413, "9 inputs in one request; the limit is 8"),
+]
+
+
+@pytest.mark.parametrize(("what", "inputs", "status", "says"), BAD_JSON, ids=[b[0] for b in BAD_JSON])
+def test_bad_json_input_is_the_protocols_error(server, what, inputs, status, says):
+    code, headers, body = request(server.port, "POST", "/v2/models/rte/infer", _infer_body(inputs), AUTH)
+    assert code == status and says in json.loads(body)["error"], (what, code, body)
+    assert headers["content-type"] == "application/json" and headers["x-fusionserve-error-type"]
+
+
+def _binary(texts: list[str], size: int | None = None, header_length: int | None = None) -> tuple[bytes, dict[str, str]]:
+    raw = bytes_tensor(texts)
+    head = _infer_body([{"name": "text", "datatype": "BYTES", "shape": [len(texts)],
+                         "parameters": {"binary_data_size": len(raw) if size is None else size}}])  # fmt: skip
+    length = len(head) if header_length is None else header_length
+    return head + raw, AUTH | {"Inference-Header-Content-Length": str(length), "content-type": "application/octet-stream"}
+
+
+def test_binary_data_whose_length_disagrees_with_its_header_is_refused(server):
+    good, headers = _binary(["a fine film", "the plot"])
+    code, _, body = request(server.port, "POST", "/v2/models/rte/infer", good, headers)
+    assert code == 200, body
+    cut = (10).to_bytes(4, "little") + b"abc"  # an element of 10 bytes, 3 of them sent
+    head = _infer_body([{"name": "text", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(cut)}}])
+    cases = [
+        (_binary(["a", "b"], size=40), "binary_data_size 40 but 10 byte(s) of binary data are left"),
+        (_binary(["a", "b"], size=5), "5 byte(s) of binary data after the JSON header belong to no input"),
+        (_binary(["a", "b"], header_length=10_000), "Inference-Header-Content-Length: '10000' is not a length within"),
+        (
+            (head + cut, AUTH | {"Inference-Header-Content-Length": str(len(head))}),
+            "an element of 10 bytes at byte 0, but only 3",
+        ),
+    ]
+    for (data, head), says in cases:
+        code, _, body = request(server.port, "POST", "/v2/models/rte/infer", data, head)
+        assert code == 400 and says in json.loads(body)["error"], (says, code, body)
+
+
+def test_unknown_model_or_version_and_oversized_bodies_are_refused(server):
+    body = _infer_body([_TEXT])
+    for path, says in (("/v2/models/nope/infer", "unknown model 'nope'"), ("/v2/models/rte/versions/7/infer", "version '7'")):
+        code, _, got = request(server.port, "POST", path, body, AUTH)
+        assert code == 404 and says in json.loads(got)["error"], got
+    big, headers = _binary(["x" * (MAX_BODY + 100)])
+    code, _, got = request(server.port, "POST", "/v2/models/rte/infer", big, headers)
+    assert code == 413 and "the limit is 8192" in json.loads(got)["error"]
+    code, _, got = request(server.port, "POST", "/v2/models/rte/infer", body, AUTH | {"content-type": "text/plain"})
+    assert code == 415 and "Content-Type 'text/plain' is not supported" in json.loads(got)["error"]
+    code, _, got = request(server.port, "POST", "/v2/models/rte/infer", b"{not json", AUTH)
+    assert code == 400 and "not valid JSON" in json.loads(got)["error"]
+    code, _, got = request(server.port, "GET", "/v2/models/rte/nope", None, AUTH)
+    assert code == 404 and "error" in json.loads(got)
+
+
+def _grpc_infer(texts: list[str], datatype: str = "BYTES", shape: list[int] | None = None, **fields) -> v2.ModelInferRequest:
+    msg = v2.ModelInferRequest(model_name=fields.pop("model", "rte"), **fields)
+    msg.inputs.add(name="text", datatype=datatype, shape=shape or [len(texts)])
+    msg.raw_input_contents.append(bytes_tensor(texts))
+    return msg
+
+
+BAD_GRPC = [
+    ("wrong datatype", _grpc_infer(["a"], datatype="FP32"), grpc.StatusCode.INVALID_ARGUMENT, "datatype 'FP32'"),
+    ("wrong shape", _grpc_infer(["a"], shape=[1, 1, 1]), grpc.StatusCode.INVALID_ARGUMENT, "shape [1, 1, 1]"),
+    ("missing text", v2.ModelInferRequest(model_name="rte"), grpc.StatusCode.INVALID_ARGUMENT, "input 'text' is missing"),
+    ("unknown model", _grpc_infer(["a"], model="nope"), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'"),
+    ("unknown version", _grpc_infer(["a"], model_version="9"), grpc.StatusCode.NOT_FOUND, "version '9'"),
+    ("oversized", _grpc_infer(["x" * (MAX_BODY + 100)]), grpc.StatusCode.INVALID_ARGUMENT, "the limit is 8192"),
+]
+
+
+@pytest.mark.parametrize(("what", "message", "code", "says"), BAD_GRPC, ids=[b[0] for b in BAD_GRPC])
+def test_bad_grpc_input_is_refused_with_its_code(server, what, message, code, says):
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.ModelInfer(message, metadata=tuple(GRPC_AUTH.items()), timeout=60)
+    assert err.value.code() == code and says in err.value.details(), (what, err.value.details())
+    assert dict(err.value.trailing_metadata())[ERROR_TYPE_KEY]
+
+
+def test_bytes_that_are_not_the_message_and_cut_elements_are_refused(server):
+    call = server.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
+    with pytest.raises(grpc.RpcError) as err:
+        call(b"\xff\xff\xff", metadata=tuple(GRPC_AUTH.items()), timeout=60)
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid inference.ModelInferRequest" in err.value.details()
+    )
+    msg = _grpc_infer(["a fine film"])
+    msg.raw_input_contents[0] = msg.raw_input_contents[0][:-2]
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.ModelInfer(msg, metadata=tuple(GRPC_AUTH.items()), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "only 9 byte(s) follow" in err.value.details()
+    ok = server.stub.ModelInfer(_grpc_infer(["a fine film"]), metadata=tuple(GRPC_AUTH.items()), timeout=60)
+    assert [o.name for o in ok.outputs] == ["label", "scores"]  # still serving
+
+
+def test_a_request_still_queued_at_its_deadline_is_dropped(server, triton):
+    for client in ("http", "grpc"):
+        time.sleep(1.0)  # the model idle: a lone request waits 300 ms for a batch to fill
+        got = _infer(triton, server, client, "rte", TEXTS[:1], timeout_us=50_000)
+        assert got["status"] in ("504", "StatusCode.DEADLINE_EXCEEDED") and "it was not run" in got["error"], got
+    time.sleep(1.0)
+    got = _infer(triton, server, "grpc", "rte", TEXTS[:1], client_timeout=0.1)  # the call's own deadline
+    assert got["status"] == "StatusCode.DEADLINE_EXCEEDED", got
+
+
+# --- traces and logs -------------------------------------------------------------------------------------------------
+
+
+def _traceparent() -> tuple[str, str, str]:
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    return trace_id, parent, f"00-{trace_id}-{parent}-01"
+
+
+STAGES = ["parse", "tokenize", "queue", "batch", "respond"]
+
+
+def _check_trace(spans, parent: str, root_name: str) -> None:
+    by_name = {s.name: s for s in spans}
+    root = by_name[root_name]
+    assert root.parent_id == parent  # the caller's span
+    assert set(STAGES) | {"model"} <= set(by_name), sorted(by_name)
+    for name in STAGES:
+        assert by_name[name].parent_id == root.span_id
+    assert by_name["model"].parent_id == by_name["batch"].span_id
+    batch = by_name["batch"].attributes
+    assert batch["fusionserve.batch.size"] >= 1 and batch["fusionserve.batch.tokens"] >= 1 and batch["fusionserve.revision"] == -1
+    assert "rte" in batch["fusionserve.batch.tasks"]
+    stages = sum(by_name[n].ms for n in STAGES)
+    assert 0.9 * root.ms <= stages <= 1.02 * root.ms, (stages, root.ms)  # the stages tile the request
+
+
+def test_a_trace_continues_the_callers_traceparent_over_http_and_grpc(server, receiver):
+    trace_id, parent, traceparent = _traceparent()
+    code, _, body = request(
+        server.port, "POST", "/v2/models/rte/infer", _infer_body([_TEXT]), AUTH | {"traceparent": traceparent}
+    )
+    assert code == 200, body
+    _check_trace(receiver.trace(trace_id, "POST /v2/models/rte/infer"), parent, "POST /v2/models/rte/infer")
+    trace_id, parent, traceparent = _traceparent()
+    server.stub.ModelInfer(_grpc_infer(["a fine film"]), metadata=(*GRPC_AUTH.items(), ("traceparent", traceparent)), timeout=60)
+    name = "inference.GRPCInferenceService/ModelInfer"
+    _check_trace(receiver.trace(trace_id, name), parent, name)
+
+
+def test_oip_and_v1_classify_requests_share_a_batch(server, receiver):
+    """Sent together while the model is idle, both wait in the same 300 ms window and run in one model call: the
+    OIP request's batch span holds both requests' rows."""
+    time.sleep(1.0)
+    trace_id, _, traceparent = _traceparent()
+    other = threading.Thread(target=_classify, args=(server, "nli", TEXTS))
+    other.start()
+    code, _, body = request(
+        server.port, "POST", "/v2/models/rte/infer", _infer_body([_TEXT]), AUTH | {"traceparent": traceparent}
+    )
+    other.join()
+    assert code == 200, body
+    batch = next(s for s in receiver.trace(trace_id, "POST /v2/models/rte/infer") if s.name == "batch").attributes
+    assert batch["fusionserve.batch.size"] == 2 + len(TEXTS) and set(batch["fusionserve.batch.tasks"]) == {"rte", "nli"}
+
+
+def test_every_request_is_traced_and_log_lines_are_json_with_its_trace_id(server, receiver):
+    trace_id, _, traceparent = _traceparent()
+    code, _, _ = request(server.port, "POST", "/v1/classify", json.dumps({"task": "rte", "inputs": ["x"]}).encode(),
+                         AUTH | {"traceparent": traceparent, "content-type": "application/json"})  # fmt: skip
+    assert code == 200
+    assert receiver.trace(trace_id, "POST /v1/classify")  # the other routes are traced too
+    lines = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
+    assert any(line["message"].startswith("serving ") for line in lines)  # the server's own lines
+    found = []
+    until = time.monotonic() + 20
+    while not found and time.monotonic() < until:
+        for path in Path("/tmp/ray").glob("session_*/logs/serve/replica_*.log"):
+            text = path.read_text(errors="replace")
+            if trace_id in text:
+                found = [json.loads(line) for line in text.splitlines() if trace_id in line]
+        time.sleep(0.5)
+    assert found and all(line["trace_id"] == trace_id for line in found), "no replica log line with the trace id"
+
+
+# --- the OpenAPI description, as generators and fuzzers read it ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def described(server) -> dict:
+    with urllib.request.urlopen(server.url + "/openapi.json", timeout=30) as resp:  # open, like the docs
+        return json.loads(resp.read())
+
+
+def _refs(node):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref":
+                yield value
+            else:
+                yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def test_every_ref_resolves_and_only_served_routes_are_described(described):
+    refs = set(_refs(described))
+    assert refs and all(r.startswith("#/components/schemas/") for r in refs), sorted(refs)
+    assert {r.rsplit("/", 1)[1] for r in refs} <= set(described["components"]["schemas"])
+    assert "PairInput" in described["components"]["schemas"]  # the pair input of /v1/classify, lost before
+    assert "/predict" not in described["paths"] and "/" not in described["paths"]  # no --default-task: 404 there
+    metrics = described["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == [CONTENT_TYPE_LATEST]  # Prometheus text, as it answers
+    for path, ops in described["paths"].items():
+        for method, op in ops.items():
+            for status, response in op["responses"].items():
+                if status[0] in "45":
+                    assert list(response.get("content", {})) == ["application/json"], (path, method, status)
+
+
+def _fill(path: str) -> str:
+    return path.replace("{model}", "rte").replace("{version}", "1")
+
+
+def test_a_method_a_route_does_not_take_is_405_with_its_allow_header(server, described):
+    checked = 0
+    for path, ops in described["paths"].items():
+        allowed = {m.upper() for m in ops}
+        for method in ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "QUERY"):
+            if method in allowed:
+                continue
+            status, headers, body = request(server.port, method, _fill(path), b"{}" if method != "GET" else None, AUTH)
+            assert status == 405, (method, path, status, body)
+            assert {m.strip() for m in headers["allow"].split(",")} == allowed, (method, path, headers)
+            checked += 1
+    assert checked > 50
+    status, _, body = request(server.port, "FOO", "/healthz")  # a method HTTP does not define: HAProxy's 501
+    assert status == 501 and json.loads(body)["error"]["type"] == "not_implemented"
+
+
+SCHEMATHESIS_CONFIG = """
+[checks.negative_data_rejection]  # 413 is how a body over the limit is refused; a 5xx never counts
+expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
+
+[parameters]  # a served model at the version served: the routes behind a model name get real requests too
+"path.model" = "rte"
+"path.version" = "1"
+"""
+
+
+def test_the_api_holds_to_its_description_under_schemathesis(server, tmp_path):
+    """Every operation, generated requests (examples, boundaries, fuzzing, undeclared methods, sequences): no server
+    error, every status, content type, header and body as described, schema-violating requests refused. Not checked:
+    that every schema-valid request is accepted (positive_data_acceptance): what one request may hold depends on
+    fields together (a shape and its data, the number of inputs and the server's --max-inputs), which a schema
+    cannot say."""
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(SCHEMATHESIS_CONFIG)
+    st = Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "schemathesis"
+    st = st if st.exists() else Path(sys.executable).parent / "schemathesis"
+    cmd = [str(st), "--config-file", str(config), "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {KEY}", "--checks", "all",
+           "--exclude-checks", "positive_data_acceptance", "--max-examples", "15", "--seed", "36", "--no-color"]  # fmt: skip
+    # run in tmp_path: schemathesis keeps its cache (.schemathesis/) in the working directory, not in the checkout
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-6000:]
+    assert "passed" in done.stdout and " failed" not in done.stdout.split("SUMMARY")[-1], done.stdout[-3000:]
