@@ -40,8 +40,10 @@ from fusionserve.serving.api.grpc_ingress import classify_grpc
 from fusionserve.serving.api.metrics import Metrics
 from fusionserve.serving.api.schemas import ClassifyRequest, HTTPError, Limits
 from fusionserve.serving.model.artifact import Artifact, load_artifact
+from fusionserve.serving.model.heads import Unit
 from fusionserve.serving.model.runtime import Served
-from fusionserve.serving.scheduler.batching import JobResult, TaskResult
+from fusionserve.serving.model.tokenize import Encoder
+from fusionserve.serving.scheduler.results import JobResult, TaskResult
 
 TEXT = "the plot is thin but the actors carry it well enough to keep you watching"
 
@@ -58,7 +60,8 @@ class FixedScheduler:
 
     async def submit(self, tasks: list[str], inputs: tuple, **_: object) -> JobResult:
         n = len(inputs)
-        results = {t: TaskResult(np.tile(self.logits, (n, 1)), None) for t in tasks}
+        units = [Unit((), False)] * n  # classification: one row per input, nothing more to read
+        results = {t: TaskResult([[self.logits]] * n, None, [False] * n, units) for t in tasks}
         return JobResult(results, [False] * n, 0.0, 1)
 
 
@@ -66,7 +69,8 @@ def paths(art: str, task: str | None, n: int) -> tuple[dict[str, Callable[[], ob
     """One coroutine factory per protocol for a request of ``n`` copies of TEXT."""
     artifact = load_artifact(art)
     task = task or next(iter(artifact.tasks))
-    core = Classifier(None, FixedScheduler(artifact, len(artifact.tasks[task].labels)), Limits(), Metrics())  # type: ignore[arg-type]
+    encoder = Encoder.from_file(artifact.tokenizer_path, artifact.max_seq_len, artifact.pad_token)  # checks options only
+    core = Classifier(encoder, FixedScheduler(artifact, len(artifact.tasks[task].labels)), Limits(), Metrics())  # type: ignore[arg-type]
     body = orjson.dumps({"task": task, "inputs": [TEXT] * n})
     wire = pb.ClassifyRequest(task=task, inputs=[pb.Input(text=TEXT)] * n).SerializeToString()
     where = {"replica": "r", "node": "n"}
