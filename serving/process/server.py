@@ -18,7 +18,7 @@ import onnxruntime as ort
 from fusionserve.errors import FusionServeError
 
 from ..api.grpc_ingress import transport_env
-from ..builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_ranges, placement
+from ..builder import DEPLOYMENT, METRICS_ENV, SERVICER, AppArgs, app_builder, check_artifact, check_ranges, placement
 from ..model.artifact import MANIFEST, load_artifact, sha256
 from ..model.runtime import make_session, resolve_device
 from . import loopback
@@ -157,6 +157,7 @@ def _check_before_ray(cfg: ServerConfig) -> tuple[Any, dict[int, str]]:
         artifact.model_path, threads=1, spin=False, device="cpu", optimization=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     resolve_device(cfg.app.device)
+    check_artifact(cfg.app)  # the options the artifact bounds (--default-task, --max-batch-tokens): before Ray too
     reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
     held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
     if not os.environ.get("RAY_ADDRESS"):  # a Ray of our own runs no Serve yet: whatever holds a port is not ours
@@ -313,7 +314,11 @@ def serve_handed_over() -> None:
     shim = Path(handoff["shim"])
     if not loopback.preloaded(shim):  # e.g. where the loader ignores LD_PRELOAD (secure execution)
         print(f"fusionserve: {loopback.fallback_warning(f'{shim} was not preloaded')}", file=sys.stderr, flush=True)
-    serve_forever(ServerConfig(str(handoff["artifact"]), **handoff["options"]), run_folder=Path(str(handoff["folder"])))
+    try:
+        serve_forever(ServerConfig(str(handoff["artifact"]), **handoff["options"]), run_folder=Path(str(handoff["folder"])))
+    except FusionServeError as exc:  # a refusal, said as the command says every other one (cli/main.py)
+        print(f"fusionserve: error: {exc}", file=sys.stderr, flush=True)
+        supervise_end(2)
 
 
 def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
