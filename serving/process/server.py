@@ -339,6 +339,7 @@ def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
         _on_signals(lambda *_: None)  # a second signal must not cut the clean-up short
         say("interrupted while starting; shutting down")
         stop()
+        exit_with(0)
         return
     except BaseException as exc:
         exit_with(2 if isinstance(exc, FusionServeError | ModuleNotFoundError) else 1)  # as cli/main.py says it
@@ -361,6 +362,7 @@ def serve_forever(cfg: ServerConfig, run_folder: Path | None = None) -> None:
     finally:
         say("shutting down")
         stop()
+    exit_with(0)  # a clean stop: only now (a crash above leaves the exit code a failure, for Restart=on-failure)
 
 
 def _ray_died() -> str | None:

@@ -38,7 +38,7 @@ OWNER = "owner.json"
 STOP_GRACE_S = 25.0  # a forwarded stop signal to the server's exit; past it the supervisor ends everything itself
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_exit_code = [0]  # the server's exit code, set by the server where it ends by an error (see ``exit_with``)
+_exit_code = [1]  # the server's exit code: a failure until a clean stop says otherwise (see ``exit_with``)
 
 
 def run_root() -> Path:
@@ -218,7 +218,8 @@ def resume_supervised() -> None:
 
 
 def exit_with(code: int) -> None:
-    """The exit code the server (the child) ends with once Python's own exit hooks ran (default 0)."""
+    """The exit code the server (the child) ends with once Python's own exit hooks ran: 1 (a crash: an exception
+    nobody caught, in the serving loop or in its clean-up) until the server says otherwise, 0 after a clean stop."""
     _exit_code[0] = code
 
 
