@@ -31,6 +31,8 @@ import shlex
 import shutil
 from pathlib import Path
 
+from .supervise import STARTED
+
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
 _REASONS = {405: "Method Not Allowed", 408: "Request Timeout"}
@@ -72,11 +74,15 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
-def write_wrapper(folder: Path, command: list[str], body_timeout_s: float, private_ports: tuple[int, ...] = ()) -> Path:
+def write_wrapper(
+    folder: Path, command: list[str], body_timeout_s: float, private_ports: tuple[int, ...] = (), record: Path | None = None
+) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
     for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given, binds the listeners on
-    ``private_ports`` (HAProxy's stats and Prometheus pages) to 127.0.0.1, and runs ``command`` (HAProxy, or a launcher
-    of it) with the arguments it was given."""
+    ``private_ports`` (HAProxy's stats and Prometheus pages) to 127.0.0.1, appends its own pid and start time to
+    ``record`` (default ``folder``/started: the run's record, serving/process/supervise.py; HAProxy keeps both, as the
+    wrapper execs it), and runs ``command`` (HAProxy, or a launcher of it) with the arguments it was given."""
+    record = record or folder / STARTED
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
     (folder / "405.json").write_bytes(_page(405, "method_not_allowed", "this method is not served").split(b"\r\n\r\n", 1)[1])
@@ -100,6 +106,8 @@ def write_wrapper(folder: Path, command: list[str], body_timeout_s: float, priva
         f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
         + "".join(f'  sed -i {shlex.quote(_to_loopback(port))} "$cfg"\n' for port in private_ports)
         + "fi\n"
+        # field 22 of /proc/PID/stat, the start time: the 20th after the command name's closing parenthesis
+        f"[ -r /proc/$$/stat ] && echo \"$$ $(sed 's/.*) //' /proc/$$/stat | cut -d' ' -f20)\" >> {shlex.quote(str(record))}\n"
         f'exec {shlex.join(command)} "$@"\n'
     )
     wrapper.chmod(0o700)

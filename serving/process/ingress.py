@@ -20,7 +20,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import socket
 import tempfile
 import time
@@ -286,28 +285,6 @@ def wait_all_routed(folder: Path, app: str, expected: int, say: Callable[[str], 
             return
         time.sleep(0.2)
         routed = routed_replicas(folder, app)
-
-
-def reap(folder: Path) -> list[int]:
-    """Stop every process still running from ``folder`` (HAProxy outlives Ray's shutdown: it is Serve's child, not
-    Ray's). Reads /proc; elsewhere it finds nothing. Returns the pids it stopped."""
-    mine = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if str(folder) in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                mine.append(int(entry.name))
-        except OSError:  # gone, or not ours to read
-            continue
-    for pid in mine:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 3
-    while mine and time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in mine):
-        time.sleep(0.05)
-    for pid in mine:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return mine
 
 
 def port_holder(host: str, port: int) -> str | None:

@@ -32,6 +32,7 @@ from .supervise import (
     reap_stale,
     record,
     resume_supervised,
+    started_at,
     supervise,
     supervise_end,
 )
@@ -109,6 +110,7 @@ def start(
     machines) or ClusterError (Ray does not start)."""
     global _metrics_dir, _ingress_dir, _deployed
     artifact, held = _check_before_ray(cfg)
+    before = {(pid, started_at(pid)) for pid in descendants(os.getpid())}  # not the run's: an embedder's own children
     address = os.environ.get("RAY_ADDRESS")
     _ingress_dir = str(run_folder or new_run_folder())
     _set_ray_env(cfg, Path(_ingress_dir))
@@ -140,7 +142,8 @@ def start(
     wait_routed(url)
     if _ingress_dir:
         wait_all_routed(Path(_ingress_dir), APP_NAME, opts.min_replicas or opts.replicas, say)
-        record(Path(_ingress_dir), tree=descendants(os.getpid()))  # what a next start reaps if this run is killed
+        # what a next start reaps if this run is killed, and what stop() ends
+        record(Path(_ingress_dir), tree=[p for p in descendants(os.getpid()) if (p, started_at(p)) not in before])
     return url
 
 

@@ -13,7 +13,13 @@ run folder. So:
   ends them, frees the port and exits 1 (a supervisor's ``Restart=on-failure`` then starts a new server);
 - both killed at once (``kill -9 -PGID``, the OOM killer taking both): the run folder names its owners by pid and
   start time (``owner.json``), and the next start on the machine reaps a folder whose owners are all gone: what its
-  processes left (matched by pid and start time, or HAProxy by its config path inside the folder), then the folder.
+  processes left, then the folder.
+
+Clean-up only ever ends a process the run recorded as its own, by pid and start time (a pid the kernel gave to
+another process since is not it): the processes the server started (``owner.json``'s tree) and every HAProxy that
+Serve started for it, which its launcher records as it starts (``STARTED``; HAProxy is the child of a Ray worker,
+and reloads start new ones). A process that merely names the run folder (an operator's ``tail -f`` of its
+haproxy.cfg) is not the run's.
 """
 
 from __future__ import annotations
@@ -28,13 +34,12 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-
-from .ingress import reap
 
 RUN_PREFIX = "fs-"  # /tmp/fs-XXXXXXXX: short, because HAProxy's admin socket goes two levels below it (<= 97 chars)
 OWNER = "owner.json"
+STARTED = "started"  # "pid start-time" lines, appended by each process the run starts outside Python as it starts
 STOP_GRACE_S = 25.0  # a forwarded stop signal to the server's exit; past it the supervisor ends everything itself
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -93,9 +98,8 @@ def record(folder: Path, owners: list[int] | None = None, tree: list[int] | None
 
 def reap_stale(root: Path | None = None) -> list[Path]:
     """Reap the run folders under ``root`` (default /tmp) left by servers that are gone: a folder of this user whose
-    owner file names no running owner. Ends what its run left (the recorded processes still running, matched by pid
-    and start time; HAProxy, by its config path inside the folder), then removes it. A folder without an owner file,
-    or of another user, is not judged. Returns the folders reaped."""
+    owner file names no running owner. Ends what its run recorded that still runs (by pid and start time), then
+    removes it. A folder without an owner file, or of another user, is not judged. Returns the folders reaped."""
     reaped = []
     for folder in sorted((root or run_root()).glob(f"{RUN_PREFIX}*")):
         try:
@@ -111,8 +115,7 @@ def reap_stale(root: Path | None = None) -> list[Path]:
             _wait_until(lambda owners=owners: not any(_running(entry) for entry in owners), STOP_GRACE_S)
         if any(_running(entry) for entry in owners):
             continue
-        _end([pid for pid, start in data.get("tree", []) if _running([pid, start])])
-        reap(folder)
+        _end(recorded(folder))
         shutil.rmtree(folder, ignore_errors=True)
         reaped.append(folder)
     return reaped
@@ -125,17 +128,30 @@ def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:
 
 
 def end_run(folder: Path) -> list[int]:
-    """At the end of a run: end the processes it recorded that still run (by pid and start time; Ray's workers that
-    outlive a raylet gone first) and those naming its folder (HAProxy), then remove the folder. Returns the pids."""
-    try:
-        data = json.loads((folder / OWNER).read_text())
-    except (OSError, ValueError):
-        data = {}
-    left = [pid for pid, start in data.get("tree", []) if pid != os.getpid() and _running([pid, start])]
+    """At the end of a run: end the processes it recorded that still run (by pid and start time: Ray's workers that
+    outlive a raylet gone first, HAProxy, which outlives Ray's shutdown), then remove the folder. Returns the pids."""
+    left = [entry for entry in recorded(folder) if entry[0] != os.getpid() and _running(entry)]
     _end(left)
-    left += reap(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    return left
+    return [pid for pid, _ in left]
+
+
+def recorded(folder: Path) -> list[list[int]]:
+    """Every process the run in ``folder`` recorded as its own, as [pid, start time]: the owner file's tree and the
+    lines of ``STARTED``."""
+    try:
+        entries = [list(e) for e in json.loads((folder / OWNER).read_text()).get("tree", [])]
+    except (OSError, ValueError):
+        entries = []
+    try:
+        lines = (folder / STARTED).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and all(f.isdigit() for f in fields) and [int(f) for f in fields] not in entries:
+            entries.append([int(f) for f in fields])
+    return entries
 
 
 def descendants(pid: int) -> list[int]:
@@ -157,16 +173,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _end(pids: list[int], grace_s: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL what is still there after ``grace_s``."""
+def _end(entries: Iterable[list[int]], grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL what is still there after ``grace_s``: each process ([pid, start time]) only while it is
+    still that process (a pid the kernel handed to another process meanwhile is left alone)."""
+    entries = list(entries)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
+        for pid, start in entries:
+            if started_at(pid) == start:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_state(p) not in ("X", "Z") for p in pids):
+        while time.monotonic() < deadline and any(_running(entry) for entry in entries):
             time.sleep(0.05)
-            _reap_children()
+            for pid, _ in entries:  # only these: a program embedding the server keeps its other children's statuses
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
 
 def _reap_children() -> None:
@@ -262,14 +283,14 @@ def _wait(child: int, folder: Path) -> int:
                     os.kill(child, signal.SIGKILL)
                 asked[0] = float("inf")
             time.sleep(0.1)
-    left = descendants(os.getpid())
+    left = [[pid, start] for pid in descendants(os.getpid()) if (start := started_at(pid)) is not None]
     _end(left, grace_s=1.0)
-    left += end_run(folder)
+    ended = [pid for pid, _ in left] + end_run(folder)
     _reap_children()
     if status is None or os.WIFSIGNALED(status):
         how = signal.Signals(os.WTERMSIG(status)).name if status is not None else "unknown means"
         print(
-            f"fusionserve: the server process (pid {child}) was ended by {how}; ended the {len(left)} process(es) it "
+            f"fusionserve: the server process (pid {child}) was ended by {how}; ended the {len(ended)} process(es) it "
             "left and removed its run folder",
             file=sys.stderr,
             flush=True,
