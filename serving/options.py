@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fusionserve.errors import FusionServeError
+from fusionserve.errors import FusionServeError, InputError
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,19 @@ OPTIONS: dict[str, Option] = {
     "api_key_env": _opt(None, lambda v: re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) is not None, "a variable name", True),
     "open_metrics": _opt(True, lambda v: isinstance(v, bool), "true or false"),  # false: /metrics asks for the key too
     # TEI's POST /predict and the Inference API's POST / answer for this task (checked against the artifact's tasks)
-    "default_task": _opt(None, lambda v: 0 < len(v) <= MAX_TASK_NAME_CHARS, "a task name", optional=True),
+    "default_task": _opt(None, lambda v: is_task_name(v), "a task name", optional=True),
 }
 MAX_BODY_BYTES_CAP = 2**30  # gRPC's message limit must stay under 2 GiB (a signed 32-bit length)
 
 # --- fixed request limits, the same over HTTP and gRPC ------------------------------------------------------------
-MAX_TASK_NAME_CHARS = 128  # a task name in a request (an artifact's names are short identifiers)
+MAX_TASK_NAME_CHARS = 128  # a task name in a request, and the longest name an artifact's task may have
+# what a task may be called, wherever a name is made (a spec's tasks, `tasks add`, --default-task): a name every
+# client can send (within the request limit above), and every file system can hold (task files are named by it)
+TASK_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_TASK_NAME_CHARS - 1}}}")
+TASK_NAME_RULE = (
+    f"a task name is 1 to {MAX_TASK_NAME_CHARS} characters of letters, digits, '_', '-' and '.', starting with a letter, "
+    "a digit or '_'"
+)
 MAX_TASKS_PER_REQUEST = 64  # names in "tasks"
 MAX_TIMEOUT_MS = 3_600_000  # the longest deadline a request may give (timeout_ms, X-Request-Timeout-Ms): an hour
 MAX_ERROR_CHARS = 1000  # an error message (HTTP body, gRPC details: HTTP/2 trailers are limited to ~8 KB)
@@ -73,6 +80,18 @@ _MEANINGFUL = re.compile(MEANINGFUL)
 def default(name: str) -> Any:
     """The default of option ``name``."""
     return OPTIONS[name].default
+
+
+def is_task_name(name: object) -> bool:
+    """Whether ``name`` follows the rule every task name follows (TASK_NAME)."""
+    return isinstance(name, str) and TASK_NAME.fullmatch(name) is not None
+
+
+def check_task_name(name: object) -> None:
+    """Raise InputError for a ``name`` that no task may have, naming it and the rule."""
+    if not is_task_name(name):
+        shown = repr(name) if len(repr(name)) <= 60 else f"{repr(name)[:40]}... ({len(str(name))} characters)"
+        raise InputError(f"{shown} is not a task name: {TASK_NAME_RULE}")
 
 
 def meaningful(text: str) -> bool:

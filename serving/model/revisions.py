@@ -133,6 +133,8 @@ class TasksLock:
         self._fd: int | None = None
 
     def __enter__(self) -> TasksLock:
+        if not self.path.parent.parent.is_dir():
+            raise RevisionError(f"{self.path.parent.parent}: no such artifact folder")
         self.path.parent.mkdir(exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
