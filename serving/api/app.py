@@ -242,9 +242,10 @@ class FusionServe:
                     self.stats.revision.set(self.runner.served.revision or 0)
                     self.stats.revision_loads.labels("loaded").inc()
                     log.info("now serving revision %s: %s", self.runner.served.revision, ", ".join(self.runner.artifact.tasks))
-            except FusionServeError as exc:
+            except Exception as exc:  # a bad revision, or the file system (EIO, ESTALE on NFS, EACCES): never the end of it
                 self.stats.revision_loads.labels("failed").inc()
-                log.error("revision not loaded, still serving revision %s: %s", self.runner.served.revision, exc)
+                log.error("revision not loaded, still serving revision %s: %s: %s", self.runner.served.revision,
+                          type(exc).__name__, exc)  # fmt: skip
                 time.sleep(_REVISION_POLL_S * 10)  # the same failure, checked again a little later
 
     def reconfigure(self, config: dict[str, Any]) -> None:
