@@ -54,7 +54,8 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--max-ongoing",
         type=int,
-        help="requests Serve hands a replica at once (default 1024: the replica's own queue refuses first)",
+        help=f"requests Serve hands a replica at once (default max({options.ONGOING_FLOOR}, --max-queued + "
+        "--max-batch-size): the replica's own queue refuses first)",
     )
     sv.add_argument("--max-inputs", type=int, help=f"most inputs in one request, else 413 (default {_d('max_inputs')})")
     sv.add_argument(

@@ -34,7 +34,7 @@ from .api.grpc_ingress import transport_env
 from .api.schemas import Limits
 from .model.artifact import MANIFEST, load_artifact
 from .model.runtime import DEVICES, DeviceError, resolve_device
-from .options import default
+from .options import ONGOING_FLOOR, default
 from .scheduler.batching import BatchLimits
 
 IMPORT_PATH = "fusionserve.serving.builder:app_builder"
@@ -144,9 +144,6 @@ class AppArgs(BaseModel):
 
     def request_limits(self) -> Limits:
         return Limits(self.max_inputs, self.max_body_bytes, self.body_timeout_s)
-
-
-ONGOING_FLOOR = 1024  # default max_ongoing_requests of a replica: see AppArgs.ongoing_per_replica
 
 
 def placement(device: str, gpus: float | None, replicas: int) -> tuple[str, float]:

@@ -40,6 +40,7 @@ OPTIONS: dict[str, Option] = {
     "max_batch_tokens": _opt(16384, lambda v: v >= 1, ">= 1"),
     "batch_wait_ms": _opt(0.0, lambda v: 0 <= v <= 10_000, "0..10000"),
     "max_queued": _opt(64, lambda v: v >= 1, ">= 1"),  # 0 would refuse every request (and Serve refuses it)
+    # default: max(ONGOING_FLOOR, max_queued + max_batch_size), AppArgs.ongoing_per_replica
     "max_ongoing": _opt(None, lambda v: v >= 1, ">= 1", optional=True),
     "max_inputs": _opt(64, lambda v: v >= 1, ">= 1"),
     "max_body_bytes": _opt(1_000_000, lambda v: 1024 <= v <= MAX_BODY_BYTES_CAP, f"1024..{2**30}"),
@@ -53,6 +54,7 @@ OPTIONS: dict[str, Option] = {
     # TEI's POST /predict and the Inference API's POST / answer for this task (checked against the artifact's tasks)
     "default_task": _opt(None, lambda v: is_task_name(v), "a task name", optional=True),
 }
+ONGOING_FLOOR = 1024  # the least of max_ongoing's default (requests Serve hands a replica at once)
 MAX_BODY_BYTES_CAP = 2**30  # gRPC's message limit must stay under 2 GiB (a signed 32-bit length)
 
 # --- fixed request limits, the same over HTTP and gRPC ------------------------------------------------------------

@@ -259,8 +259,7 @@ class FusionServe:
             self.stats.revision_loads.labels("loaded").inc()
 
     def _on_batch(self, batch: BatchStats) -> None:
-        tasks = self.runner.artifact.tasks  # a task removed meanwhile reports its activations without adapter names
-        self.stats.observe_batch(batch, lambda task: tasks[task].adapters if task in tasks else ())
+        self.stats.observe_batch(batch)  # labelled with the batch's own revision's adapters (serving/scheduler/results.py)
 
     # --- routes ---------------------------------------------------------------------------------------------
 

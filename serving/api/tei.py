@@ -70,7 +70,10 @@ def read_request(body: bytes, task: str) -> tuple[ClassifyRequest, bool, dict[st
         (set(data) - {"inputs", "parameters", *_OPTIONS}) | (set(params) - {"top_k", "function_to_apply", *_OPTIONS})
     )
     if unknown:
-        raise _bad(f"unknown field(s) {unknown}; allowed: inputs, parameters, top_k, function_to_apply, {', '.join(_OPTIONS)}")
+        raise _bad(
+            f"unknown field(s) {unknown}; allowed: inputs, parameters, {', '.join(_OPTIONS)}; in 'parameters': "
+            f"{', '.join(_OPTIONS)}, top_k, function_to_apply"
+        )
     options = {k: v for k, v in (data | params).items() if k in _OPTIONS and v is not None}
     inputs, batch = _inputs(data["inputs"])
     fields: dict[str, Any] = {"task": task, "inputs": inputs}
