@@ -163,7 +163,8 @@ def _add_scaling(sv: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from fusionserve.serving.process.server import ServerConfig, serve_forever, serve_supervised
+    from fusionserve.serving.process.server import ServerConfig, serve_forever
+    from fusionserve.serving.process.supervise import supervise
 
     if args.artifact is not None:
         artifact = Path(args.artifact)
@@ -183,7 +184,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         print(render(cfg), end="")
         return 0
-    # the command itself runs the server under a supervisor process; main(argv) called from Python code (tests) runs
-    # it in the calling process, which must not be forked
-    (serve_supervised if getattr(args, "own_process", False) else serve_forever)(cfg)
-    return 0
+    # the command itself is the supervisor of a server process; main(argv) called from Python code (tests) serves in
+    # the calling process
+    if getattr(args, "own_process", False):
+        return supervise(cfg)
+    return serve_forever(cfg) or 0

@@ -102,7 +102,7 @@ def _tail(folder: Path) -> subprocess.Popen:
 def test_the_end_of_a_run_ends_its_haproxy_and_spares_a_tail_of_its_config():
     """reap() ended every process of the user whose command line mentioned the run folder (an operator's ``tail -f``
     of its haproxy.cfg), then SIGKILLed them after 3 s without checking who they were."""
-    from fusionserve.serving.process.supervise import end_run, new_run_folder
+    from fusionserve.serving.process.runs import end_run, new_run_folder
 
     folder = new_run_folder()
     haproxy = _fake_haproxy(folder)
@@ -120,7 +120,7 @@ def test_the_end_of_a_run_ends_its_haproxy_and_spares_a_tail_of_its_config():
 
 def test_reaping_a_stale_run_folder_spares_a_tail_of_its_config(tmp_path):
     """The same when the next start reaps a folder whose owners are all gone (both killed with kill -9)."""
-    from fusionserve.serving.process.supervise import RUN_PREFIX, reap_stale, record
+    from fusionserve.serving.process.runs import RUN_PREFIX, reap_stale, record
 
     folder = tmp_path / f"{RUN_PREFIX}stale"
     folder.mkdir()

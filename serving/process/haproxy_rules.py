@@ -31,7 +31,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from .supervise import STARTED
+from .runs import STARTED
 
 BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
@@ -80,7 +80,7 @@ def write_wrapper(
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
     for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given, binds the listeners on
     ``private_ports`` (HAProxy's stats and Prometheus pages) to 127.0.0.1, appends its own pid and start time to
-    ``record`` (default ``folder``/started: the run's record, serving/process/supervise.py; HAProxy keeps both, as the
+    ``record`` (default ``folder``/started: the run's record, serving/process/runs.py; HAProxy keeps both, as the
     wrapper execs it), and runs ``command`` (HAProxy, or a launcher of it) with the arguments it was given."""
     record = record or folder / STARTED
     folder.mkdir(parents=True, exist_ok=True)
