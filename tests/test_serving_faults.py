@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.process.ingress import port_holder
+from fusionserve.serving.process.ports import port_holder
 from tests.serving_helpers import (
     MARK_ENV,
     alive,

@@ -25,7 +25,9 @@ from ..builder import SERVICER, AppArgs, app_builder, check_artifact, check_rang
 from ..model.artifact import MANIFEST, load_artifact, sha256
 from ..model.runtime import make_session, resolve_device
 from .cluster import connect
-from .ingress import INGRESSES, VARIANTS, ingress_env, port_holder, wait_all_routed, wait_routed
+from .ingress import INGRESSES, VARIANTS, ingress_env
+from .ports import port_holder
+from .routing import wait_all_routed, wait_routed
 from .running_serve import (
     APP_NAME,
     LOOPBACK,
