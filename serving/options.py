@@ -21,10 +21,18 @@ class Option:
     default: Any
     ok: Callable[[Any], bool]
     allowed: str
+    choice: bool = False  # one of a list of names (said "is not known"), not a value in a range
 
 
 def _opt(default: Any, ok: Callable[[Any], bool], allowed: str, optional: bool = False) -> Option:
     return Option(default, (lambda v: v is None or ok(v)) if optional else ok, allowed)
+
+
+def _choice(default: str, choices: tuple[str, ...]) -> Option:
+    return Option(default, lambda v: v in choices, ", ".join(choices), choice=True)
+
+
+DEVICES = ("auto", "cpu", "cuda")  # where replicas run (serving/model/runtime.py resolves auto)
 
 
 OPTIONS: dict[str, Option] = {
@@ -46,6 +54,7 @@ OPTIONS: dict[str, Option] = {
     "max_body_bytes": _opt(1_000_000, lambda v: 1024 <= v <= MAX_BODY_BYTES_CAP, f"1024..{2**30}"),
     "body_timeout_s": _opt(10.0, lambda v: 0 < v <= 3600, "0..3600"),
     "threads": _opt(None, lambda v: v >= 1, ">= 1", optional=True),  # default: the machine's CPUs / (max) replicas
+    "device": _choice("auto", DEVICES),
     "gpus_per_replica": _opt(None, lambda v: 0 < v <= 8, "0..8", optional=True),
     # the environment variable holding the API key(s) in every replica's process (never the key itself: see
     # serving/api/auth.py); set, every model route asks for a key, and a replica without one refuses to start
@@ -117,4 +126,6 @@ def check_ranges(values: dict[str, Any], flags: bool = False) -> None:
         option = OPTIONS.get(name)
         if option is not None and not option.ok(value):
             shown = "--" + name.replace("_", "-") if flags else name
+            if option.choice:
+                raise FusionServeError(f"{shown} = {value!r} is not known; allowed: {option.allowed}")
             raise FusionServeError(f"{shown} = {value} is out of range; allowed: {option.allowed}")

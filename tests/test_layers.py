@@ -76,7 +76,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 # serving/'s parts, bottom to top: a module imports its own part and the parts below it, never one above
-SERVING_PARTS = [f"{SERVING}.{p}" for p in ("options", "model", "scheduler", "api", "builder", "process")]
+SERVING_PARTS = [f"{SERVING}.{p}" for p in ("options", "private", "model", "scheduler", "api", "builder", "process")]
 
 
 def _part(module: str) -> int:

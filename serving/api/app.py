@@ -24,10 +24,9 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusionserve import __version__
-from fusionserve.errors import FusionServeError
 
 from ..model import revisions
-from ..model.artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from ..model.artifact import MANIFEST, ArtifactError, check_task, load_artifact, sha256
 from ..model.predictions import TextInput
 from ..model.runtime import OnnxRunner
 from ..options import bounded
@@ -35,7 +34,7 @@ from ..scheduler.batching import BatchLimits, BatchStats, Scheduler
 from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
 from .classify import Classifier, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc, record_call_deadlines
-from .metrics import Metrics
+from .metrics import METRICS_ENV, Metrics
 from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
 from .tei import predictions, read_request
 
@@ -210,13 +209,11 @@ class FusionServe:
         # the keys from this process's own environment (never an argument: see serving/api/auth.py); none set: refused
         self.keys = KeyCheck.from_env(api_key_env) if api_key_env else None
         self.open_metrics = open_metrics
-        if default_task is not None and default_task not in artifact.tasks:
-            raise FusionServeError(
-                f"default_task '{default_task}' is not a task of {artifact.folder}; known tasks: {', '.join(artifact.tasks)}"
-            )
+        if default_task is not None:
+            check_task(artifact, default_task, "default_task")
         self.default_task = default_task
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
-            os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+        if os.environ.get(METRICS_ENV):  # each node's replicas pool their samples in their own copy
+            os.makedirs(os.environ[METRICS_ENV], exist_ok=True)
         # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
         # buffers and pads batches to bucket lengths (see serving/model/runtime.py).
         runner = OnnxRunner(artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)

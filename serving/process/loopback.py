@@ -29,9 +29,10 @@ from pathlib import Path
 
 from fusionserve.settings import LOOPBACK_SHIM_ENV, OPEN_PORTS_ENV
 
+from ..private import SINGLE_MACHINE
+
 SOURCE = Path(__file__).with_name("loopback_bind.c")
 BUILT = "_loopback_bind"  # the extension module's name in pyproject.toml (built, never imported)
-_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray's single-machine mode: its node address is loopback
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def preload_env(library: Path, open_ports: Iterable[int], env: dict[str, str] | 
     others = [p for p in out.get("LD_PRELOAD", "").replace(":", " ").split() if p != str(library)]
     out["LD_PRELOAD"] = " ".join([*others, str(library)])
     out[OPEN_PORTS_ENV] = ",".join(str(p) for p in sorted(set(open_ports)))
-    return out | _NODE_ENV
+    return out | SINGLE_MACHINE  # Ray's single-machine mode: its node address is loopback
 
 
 def open_ports(host: str, ports: Iterable[int | None], loopback: Iterable[str]) -> list[int]:

@@ -11,12 +11,15 @@ from pathlib import Path
 
 from fusionserve.errors import FusionServeError
 
+from ..private import admin_sockets, routed
+
+ADMIN_SOCKET = "a.sock"  # HAProxy's admin socket's name in the run folder (ingress.py: RAY_SERVE_HAPROXY_SOCKET_PATH)
+
 
 def routed_replicas(folder: Path, app: str) -> int | None:
-    """How many of ``app``'s replicas the HAProxy started from ``folder`` routes to right now (its servers UP in the
-    app's backend, the proxy fallback not counted), read from HAProxy's admin socket; None when there is no such
-    HAProxy (another ingress, or a joined cluster whose node started its own)."""
-    sockets = sorted(folder.glob("*/a.sock"))  # Serve puts each node's files in a folder named by the node id
+    """How many of ``app``'s replicas the HAProxy started from ``folder`` routes to right now, read from its admin
+    socket; None when there is no such HAProxy (another ingress, or a joined cluster whose node started its own)."""
+    sockets = admin_sockets(folder, ADMIN_SOCKET)
     if not sockets:
         return None
     try:
@@ -29,15 +32,7 @@ def routed_replicas(folder: Path, app: str) -> int | None:
                 chunks.append(chunk)
     except OSError:  # HAProxy is being reloaded: nothing to count this time
         return 0
-    lines = b"".join(chunks).decode(errors="replace").splitlines()
-    if not lines:
-        return 0
-    header = lines[0].lstrip("# ").split(",")
-    rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:]]
-    return sum(
-        r.get("pxname") == f"http-{app}" and r.get("svname", "").startswith("SERVE_REPLICA") and r.get("status") == "UP"
-        for r in rows
-    )
+    return routed(b"".join(chunks).decode(errors="replace"), app)
 
 
 def wait_routed(url: str, timeout_s: float = 120.0) -> None:

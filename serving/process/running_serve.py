@@ -11,7 +11,9 @@ from typing import Any
 
 from fusionserve.errors import FusionServeError
 
-from ..builder import DEPLOYMENT, METRICS_ENV
+from ..api.metrics import METRICS_ENV
+from ..builder import DEPLOYMENT
+from ..private import serve_details
 
 APP_NAME = "fusionserve"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -27,19 +29,6 @@ def refuse_loopback_on_many_machines(ray: Any, host: str) -> None:
             "listen on loopback, unreachable from the other machines' ingress; pass --host 0.0.0.0 (and firewall the "
             "replica ports, see the docs' Scaling out guide)"
         )
-
-
-def serve_details() -> Any:
-    """Serve on the joined cluster as its controller describes it (``ray.serve.schema.ServeInstanceDetails``: the HTTP
-    and gRPC options it really listens with, each application and deployment with its options), or None when no Serve
-    runs there. Serve's public calls do not give the listening options (``serve.status()`` leaves them out, and the
-    dashboard's REST API that has them may be off), so this asks the controller through Serve's private client, the
-    way ``serve.status()`` itself does (Ray 2.60); the only private API this module uses."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeInstanceDetails
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    return None if client is None else ServeInstanceDetails(**client.get_serve_details())
 
 
 def refuse_to_replace(running: Any, replace: bool) -> None:

@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
 
+from .. import private
 from ..api.grpc_ingress import transport_env
 from ..builder import SERVICER, AppArgs, app_builder, check_artifact, check_ranges, placement
 from ..model.artifact import MANIFEST, load_artifact, sha256
@@ -36,7 +37,6 @@ from .running_serve import (
     refuse_held,
     refuse_loopback_on_many_machines,
     refuse_to_replace,
-    serve_details,
 )
 from .runs import descendants, end_run, new_run_folder, reap_stale, record, started_at
 
@@ -152,7 +152,7 @@ class Server:
         from ray import serve
 
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # importing Serve set it to INFO
-        running = serve_details()  # None: no Serve on the cluster yet
+        running = private.serve_details()  # None: no Serve on the cluster yet
         refuse_to_replace(running, cfg.replace)
         refuse_held(cfg.host, check_ports(cfg, running, held) if running else held)
         refuse_loopback_on_many_machines(ray, cfg.host)
@@ -246,17 +246,8 @@ def serve_forever(cfg: ServerConfig, run_folder: Path | None = None, supervised:
 def _ray_died() -> str | None:
     """Which of the Ray processes this server started and cannot serve without (the GCS, the raylet) has died, as
     "raylet (pid N)", or None. A dead raylet left the replicas answering from a node that can no longer restart
-    anything, and the server waiting for a GCS call that never returns. Reads Ray's own record of the processes it
-    started (a private API; a joined cluster's processes are not this server's, and are not in it)."""
-    import ray
-
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is None:
-        return None
-    for kind, process in node.dead_processes():
-        if kind in ("raylet", "gcs_server"):
-            return f"{kind} (pid {process.pid})"
-    return None
+    anything, and the server waiting for a GCS call that never returns."""
+    return private.dead_ray_process()
 
 
 def _on_signals(handler: Callable[[int, Any], object]) -> None:
