@@ -17,9 +17,10 @@
 #   TORCH_INDEX_URL  where the export stage gets torch==2.13.0; it must be a CPU wheel (checked). Empty: the pip
 #                    configuration the build sees (the local build mounts the host's, which has the CPU wheel)
 #   SPEC             a spec file inside the build context (default: the built-in model)
-#   PRECISION        fp32 | fp16 | int8 (default fp16 for gpu, int8 for cpu: every GEMM int8, >= 99% of fp32's labels on the
-#                    built-in model's targets, no calibration file needed; for CPUs without VNNI/AMX build fp32: see
-#                    docs/guides/int8.md)
+#   PRECISION        fp32 | fp16 | int8 | bf16 (default fp16 for gpu, int8 for cpu: every GEMM int8, >= 99% of fp32's labels
+#                    on the built-in model's targets, no calibration file needed; for CPUs without VNNI/AMX build fp32;
+#                    bf16, cpu only: OpenVINO in the image, for CPUs with AMX bf16 tiles, and the build machine needs
+#                    AVX-512 to gate it: see docs/guides/int8.md)
 #   MAX_SEQ_LEN      a token limit for the export; empty (default): the spec's max_seq_len (64 for the built-in
 #                    model, which is trained and evaluated at 64), else the tokenizer's limit
 #   PARITY_GRID      full (default: every task on the whole shape grid) | quick (see `fusionserve export --help`)
@@ -74,6 +75,7 @@ ARG PRECISION=
 ARG MAX_SEQ_LEN=
 ARG PARITY_GRID=full
 RUN precision="${PRECISION:-$([ "$VARIANT" = gpu ] && echo fp16 || echo int8)}" \
+    && if [ "$precision" = bf16 ]; then pip install ".[openvino]"; fi \
     && fusionserve export "$SPEC" --out /artifact --precision "$precision" --parity-grid "$PARITY_GRID" \
        ${MAX_SEQ_LEN:+--max-seq-len "$MAX_SEQ_LEN"}
 
@@ -102,7 +104,10 @@ ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", 
 # --- runtime, CPU --------------------------------------------------------------------------------------------
 FROM python AS runtime-cpu
 COPY --from=wheel /wheels /wheels
-RUN pip install "$(ls /wheels/fusionserve-*.whl)[serve]"
+# a bf16 artifact runs with OpenVINO (the [openvino] extra); the others with onnxruntime alone
+ARG PRECISION=
+RUN wheel="$(ls /wheels/fusionserve-*.whl)" \
+    && if [ "$PRECISION" = bf16 ]; then pip install "${wheel}[serve,openvino]"; else pip install "${wheel}[serve]"; fi
 ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", "8000", "--device", "cpu"]
 
 # --- the image: runtime + artifact, non-root -----------------------------------------------------------------

@@ -72,9 +72,12 @@ class BenchModel:
     adapters: list[str]
 
 
-def build(root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int = 0) -> BenchModel:
+def build(
+    root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int = 0, heads: list[tuple[str, dict]] | None = None
+) -> BenchModel:
     """Save N adapters and ``n_tasks`` fusions over all of them (n_adapters = 0: a head-only model) with the
-    adapters library's own save functions, and write ``root/model.yaml``."""
+    adapters library's own save functions, and write ``root/model.yaml``. ``heads``: per task, the library's method
+    adding its head and its arguments (default: a classification head of 3 labels for every task)."""
     from adapters import AutoAdapterModel, SeqBnConfig
     from adapters.composition import Fuse
 
@@ -88,7 +91,8 @@ def build(root: Path, base: Path, n_adapters: int, n_tasks: int = 1, seed: int =
         model.add_adapter(name, config=SeqBnConfig(reduction_factor=16))
     tasks = [f"task{t}" for t in range(n_tasks)]
     for t, task in enumerate(tasks):
-        model.add_classification_head(task, num_labels=3)
+        method, kwargs = heads[t] if heads else ("add_classification_head", {"num_labels": 3})
+        getattr(model, method)(task, **kwargs)
         if names:
             # rotate the order so each task's fusion is a distinct AdapterHub fusion over the same adapters
             order = names[t:] + names[:t]

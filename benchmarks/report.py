@@ -14,7 +14,8 @@ from typing import Any
 RESULTS = Path(__file__).parent / "RESULTS.md"
 
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")  # what decides int8's speed on x86
+# what decides int8's and bf16's speed on x86
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def machine() -> dict[str, str]:

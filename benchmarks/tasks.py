@@ -75,7 +75,7 @@ def _bulk(art: Path, targets: Path, ks: range) -> float:
     from dataclasses import replace
 
     from fusionserve.export.build import build_model
-    from fusionserve.export.live.tables import graph_tables, source_of, task_record, write_task_file
+    from fusionserve.export.live.tables import graph_tables, live_heads, source_of, task_record, write_task_file
     from fusionserve.export.spec import TaskSpec, load_spec
     from fusionserve.serving.model import revisions
     from fusionserve.serving.model.artifact import load_artifact
@@ -93,7 +93,7 @@ def _bulk(art: Path, targets: Path, ks: range) -> float:
     doc = revisions.read(art, a.revision or 0)
     entries = dict(doc["tasks"])
     for (name, _), slices in zip(
-        model.task_index.items(), graph_tables(model, specs, a.manifest["live"]["logits_width"]), strict=True
+        model.task_index.items(), graph_tables(model, specs, live_heads(a.manifest["live"])), strict=True
     ):
         file, digest = write_task_file(art, name, slices)
         entries[name] = task_record(model, name, len(entries), file, digest, source_of(replace(spec, tasks=tasks), name))

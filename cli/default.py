@@ -16,7 +16,9 @@ from pathlib import Path
 import fusionserve
 from fusionserve.errors import FusionServeError
 from fusionserve.serving.model.artifact import is_artifact
-from fusionserve.serving.model.cpu_flags import cpu_has_vnni
+from fusionserve.serving.model.cpu_flags import AMX_BF16, cpu_bf16_units, cpu_has_vnni
+from fusionserve.serving.model.openvino_runtime import INSTALL as OPENVINO_INSTALL
+from fusionserve.serving.model.openvino_runtime import openvino_version
 from fusionserve.settings import cache_root
 
 DEFAULT_MODEL = Path(fusionserve.__file__).resolve().parent / "default_model"
@@ -49,15 +51,36 @@ def artifact_dir(folder: Path = DEFAULT_MODEL, precision: str = "fp32") -> Path:
     return cache_root() / "artifacts" / f"default-{fingerprint(folder)[:12]}{suffix}"
 
 
-def serving_precision(device: str = "auto") -> str:
-    """The precision the default model is served in on ``device`` (auto | cpu | cuda): int8 on a CPU with VNNI or AMX
-    (every GEMM int8 keeps >= 99% of fp32's labels on both targets' test splits, accuracy within 0.5 points:
-    docs/guides/int8.md), fp32 on CUDA and on a CPU without them (ONNX Runtime's uint8 x int8 kernel for AVX2 adds
-    pairs of products in 16 bits, which the per-row zero points can saturate). Raises DeviceError for an unknown or
-    unusable device."""
+def choose_precision(device: str = "auto") -> tuple[str, str]:
+    """(precision, why) the default model is served in on ``device`` (auto | cpu | cuda): the fastest that passes its
+    gate on the CPU at hand (docs/guides/int8.md, "Which precision where"):
+
+    - bf16 (OpenVINO) on a CPU with AMX bf16 tiles (``amx_bf16``) and OpenVINO installed: 2.7x ONNX Runtime's fp32 and
+      1.8x its int8 at batch 16 x 128 tokens as issue 38 measured it on such a Xeon (not measured here: this
+      machine's hypervisor hides AMX); with AVX-512 BF16 alone (no AMX), unmeasured, so today's choice below stays;
+    - int8 (ONNX Runtime) on a CPU with VNNI or AMX int8 (every GEMM int8 keeps >= 99% of fp32's labels on both
+      targets' test splits, accuracy within 0.5 points);
+    - fp32 on CUDA and on a CPU without them (ONNX Runtime's uint8 x int8 kernel for AVX2 adds pairs of products in
+      16 bits, which the per-row zero points can saturate).
+
+    Raises DeviceError for an unknown or unusable device."""
     from fusionserve.serving.model.runtime import resolve_device
 
-    return "int8" if resolve_device(device) == "cpu" and cpu_has_vnni() else "fp32"
+    if resolve_device(device) != "cpu":
+        return "fp32", "on CUDA"
+    units, note = cpu_bf16_units(), ""
+    if AMX_BF16 in units:
+        if openvino_version() is not None:
+            return "bf16", f"this CPU has {', '.join(units)}: bf16 on OpenVINO is the fastest that passes its gate here"
+        note = f" (bf16 would be faster on this CPU with {', '.join(units)}: {OPENVINO_INSTALL})"
+    if cpu_has_vnni():
+        return "int8", "this CPU has VNNI or AMX int8 and no AMX bf16 tiles" + note
+    return "fp32", "this CPU has neither VNNI nor AMX (ONNX Runtime's AVX2 int8 kernel could saturate)" + note
+
+
+def serving_precision(device: str = "auto") -> str:
+    """The precision of ``choose_precision``. Raises DeviceError for an unknown or unusable device."""
+    return choose_precision(device)[0]
 
 
 def _export(spec: Path, out: Path, progress: bool, precision: str = "fp32") -> None:

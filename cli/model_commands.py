@@ -24,10 +24,11 @@ from fusionserve.export.int8.gemm_roles import (
     ROLES,
 )
 from fusionserve.scoring.files import MAX_ROW_BYTES  # no pyarrow, no onnxruntime: the parser needs no extra
-from fusionserve.serving.model.artifact import is_artifact, load_artifact, render_int8, render_manifest
-from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.artifact import PRECISIONS, is_artifact, load_artifact, render_bf16, render_int8, render_manifest
+from fusionserve.serving.model.predictions import ChoiceInput, Input, QAInput, TextInput
 
 from . import default
+from .head_options import add_head_options, head_options
 from .runners import open_runner
 
 
@@ -37,9 +38,10 @@ def add_export(sub: Any) -> None:
     ex.add_argument("--out", required=True, type=Path, help="artifact folder to write")
     ex.add_argument(
         "--precision",
-        choices=["fp32", "fp16", "int8"],
+        choices=PRECISIONS,
         default="fp32",
-        help="fp16 halves the weights, for GPU; int8 quantizes the GEMMs, for CPU (default fp32)",
+        help="fp16 halves the weights, for GPU; int8 quantizes the GEMMs, for CPU; bf16 runs the GEMMs in bf16 with "
+        "OpenVINO, for CPUs with bf16 units (AMX, AVX-512 BF16; needs fusionserve[openvino]) (default fp32)",
     )
     add_int8_fp32(ex)
     ex.add_argument(
@@ -60,7 +62,8 @@ def add_export(sub: Any) -> None:
         choices=["full", "quick"],
         default="full",
         help="full: every task at every (batch, sequence) of the grid; quick: the whole grid for one task of each kind "
-        "and one padded case for every other task (default full)",
+        "(fusion, adapter, head only; sequence- and token-level heads apart) and one padded case for every other task "
+        "(default full)",
     )
     ex.add_argument(
         "--live",
@@ -170,15 +173,20 @@ def run_export(args: argparse.Namespace) -> int:
     )
     print(
         f"wrote {args.out}: {len(manifest['tasks'])} task(s), {manifest['precision']}, "
-        f"max |diff| vs PyTorch {manifest['parity']['max_abs_diff']['logits']:.2g}, {manifest['fused_operators']['summary']}"
+        f"max |diff| vs PyTorch {_head_diff(manifest['parity']['max_abs_diff']):.2g}, {manifest['fused_operators']['summary']}"
     )
-    for line in render_int8(manifest.get("int8")):
+    for line in render_int8(manifest.get("int8")) + render_bf16(manifest.get("bf16")):
         print(line)
     return 0
 
 
+def _head_diff(diffs: dict[str, float]) -> float:
+    """The parity gate's worst head output: logits, and token logits where the graph has them."""
+    return max(v for k, v in diffs.items() if k in ("logits", "token_logits"))
+
+
 def add_predict(sub: Any) -> None:
-    pr = sub.add_parser("predict", help="classify texts with an artifact folder or a model spec")
+    pr = sub.add_parser("predict", help="run texts through a task of an artifact folder or a model spec")
     pr.add_argument(
         "model",
         nargs="?",
@@ -186,9 +194,18 @@ def add_predict(sub: Any) -> None:
     )
     pr.add_argument("--task", required=True, help="target task to run")
     src = pr.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="one text to classify")
-    src.add_argument("--input", type=Path, help='JSONL file, one {"text": ..., "text_pair": ...} object per line')
+    src.add_argument("--text", help="one text to run (a multiple-choice task: the context)")
+    src.add_argument("--question", help="question-answering tasks: one question (with --context)")
+    src.add_argument(
+        "--input",
+        type=Path,
+        help='JSONL file, one input per line: {"text": ..., "text_pair": ...}, {"text": ..., "choices": [...]} '
+        '(multiple choice) or {"question": ..., "context": ...} (question answering)',
+    )
     pr.add_argument("--text-pair", help="second text of a pair (with --text)")
+    pr.add_argument("--choice", action="append", help="multiple-choice tasks: a choice (with --text); give 2 or more")
+    pr.add_argument("--context", help="question-answering tasks: the text the answer is a span of (with --question)")
+    pr.add_argument("--raw-scores", action="store_true", help="scores hold the model's logits instead of probabilities")
     pr.add_argument("--output", type=Path, help="write JSONL here instead of standard output")
     pr.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     pr.add_argument(
@@ -197,6 +214,7 @@ def add_predict(sub: Any) -> None:
         default=MAX_ROW_BYTES,
         help=f"with --input: a longer line gets an error line and the rest go on (default {MAX_ROW_BYTES:,}, 1 MiB)",
     )
+    add_head_options(pr)
     pr.set_defaults(run=run_predict, needs="serve")
 
 
@@ -204,22 +222,35 @@ def run_predict(args: argparse.Namespace) -> int:
     from fusionserve.scoring.files import check_output, model_files, open_output
     from fusionserve.scoring.inputs import read_jsonl
     from fusionserve.scoring.predict import predict
+    from fusionserve.serving.model.heads import HeadOptions, as_flag
 
     for name in ("batch_size", "max_row_bytes"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.text_pair is not None and args.text is None:
-        raise InputError("--text-pair needs --text")
+    for flag, needs in (("text_pair", "text"), ("choice", "text"), ("context", "question"), ("question", "context")):
+        if getattr(args, flag) is not None and getattr(args, needs) is None:
+            raise InputError(f"--{flag.replace('_', '-')} needs --{needs}")
+    if args.text_pair is not None and args.choice is not None:
+        raise InputError("--text-pair and --choice: give one (a pair, or a multiple-choice input)")
     if args.output is not None:  # before anything runs: the output is none of the inputs and can be written
         check_output(args.output, [*([args.input] if args.input else []), *(model_files(args.model) if args.model else [])])
     model = args.model if args.model is not None else str(default.ensure_artifact())
-    if args.text is not None:
-        inputs: Iterator[tuple[int, TextInput | InputError]] = iter([(1, TextInput(args.text, args.text_pair))])
+    if args.text is not None or args.question is not None:
+        inputs: Iterator[tuple[int, Input | InputError]] = iter([(1, _one_input(args))])
     else:
         inputs = read_jsonl(args.input, args.max_row_bytes)
+    try:
+        options = HeadOptions(**head_options(args))
+    except InputError as exc:
+        raise as_flag(exc) from None
     out = open_output(args.output) if args.output else sys.stdout
     try:
-        ok, failed = predict(open_runner(model), args.task, inputs, out, args.batch_size, progress=args.output is not None)
+        ok, failed = predict(
+            open_runner(model), args.task, inputs, out, args.batch_size, progress=args.output is not None,
+            options=options, raw=args.raw_scores,
+        )  # fmt: skip
+    except InputError as exc:
+        raise as_flag(exc) from None
     finally:
         if args.output:
             out.close()
@@ -227,6 +258,15 @@ def run_predict(args: argparse.Namespace) -> int:
         print(f"{failed} of {ok + failed} inputs failed (error lines written in their place)", file=sys.stderr)
         return 1
     return 0
+
+
+def _one_input(args: argparse.Namespace) -> Input:
+    """The input --text (--text-pair | --choice ...) or --question --context give. Raises InputError naming the flag."""
+    if args.question is not None:
+        return QAInput(args.question, args.context)
+    if args.choice is not None:
+        return ChoiceInput(args.text, tuple(args.choice))
+    return TextInput(args.text, args.text_pair)
 
 
 def add_inspect(sub: Any) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import InputError, MissingDependency
+from fusionserve.serving.model.artifact import PRECISIONS
 
 from . import default
 from .model_commands import add_int8_fp32, int8_options
@@ -34,10 +35,16 @@ def add_pruning(sub: Any) -> None:
     ca.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     ca.set_defaults(run=run_calibrate, needs="serve")
     _add_prune(sub)
-    ev = sub.add_parser("evaluate", help="accuracy of a task on labelled JSONL lines")
+    ev = sub.add_parser("evaluate", help="a task's usual metric on labelled JSONL lines (accuracy, correlation, F1, EM)")
     ev.add_argument("model", nargs="?", help=f"artifact folder or model spec file; {_DEFAULT}")
     ev.add_argument("--task", required=True, help="task to evaluate")
-    ev.add_argument("--input", required=True, type=Path, help='JSONL, one {"text": ..., "text_pair": ..., "label": ...} per line')
+    ev.add_argument(
+        "--input",
+        required=True,
+        type=Path,
+        help='JSONL, one labelled input per line: {"text", "text_pair"?, "label"} (classification, regression), {"text", '
+        '"choices", "label"} (multiple choice), {"tokens", "tags"} (tagging), {"question", "context", "answers"} (QA)',
+    )
     ev.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     ev.add_argument("--json", action="store_true", help="print JSON instead of text")
     ev.set_defaults(run=run_evaluate, needs="serve")
@@ -56,7 +63,7 @@ def _add_prune(sub: Any) -> None:
     )
     pn.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks (default: every task of the spec)")
     pn.add_argument("--out", required=True, type=Path, help="artifact folder to write")
-    pn.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32", help="as for export (default fp32)")
+    pn.add_argument("--precision", choices=PRECISIONS, default="fp32", help="as for export (default fp32)")
     add_int8_fp32(pn)
     pn.add_argument("--max-seq-len", type=int, help="as for export (default: the spec's max_seq_len, else the tokenizer's)")
     pn.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -113,11 +120,19 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     from fusionserve.scoring.evaluate import evaluate
+    from fusionserve.scoring.evaluate_heads import evaluate_head
     from fusionserve.scoring.inputs import read_labelled_jsonl
+    from fusionserve.serving.model.heads import CLASSIFICATION, head
 
     _check_batch_size(args)
     model = args.model if args.model is not None else str(default.ensure_artifact())
-    result = evaluate(open_runner(model), args.task, read_labelled_jsonl(args.input, True), args.batch_size, True)
+    runner = open_runner(model)
+    if head(runner.task(args.task)) != CLASSIFICATION:  # regression, multiple choice, tagging, question answering
+        other = evaluate_head(runner, args.task, args.input, args.batch_size, True)
+        _report_bad(other.bad, str(args.input))
+        print(json.dumps(other.as_dict(), indent=2) if args.json else other.render())
+        return 0
+    result = evaluate(runner, args.task, read_labelled_jsonl(args.input, True), args.batch_size, True)
     _report_bad(result.bad, str(args.input))
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))

@@ -10,6 +10,7 @@ from typing import Any
 from fusionserve.scoring.files import MAX_ROW_BYTES
 
 from . import default
+from .head_options import add_head_options, head_options
 
 
 def add_score(sub: Any) -> None:
@@ -22,6 +23,16 @@ def add_score(sub: Any) -> None:
     sc.add_argument("--output", type=Path, help="file to write, format from its extension (default: data.csv -> data.scored.csv)")
     sc.add_argument("--text-field", default="text", help="field (column) holding the text (default text)")
     sc.add_argument("--pair-field", help="field holding the second text of a pair (default: none)")
+    sc.add_argument(
+        "--choices-field",
+        default="choices",
+        help="multiple-choice tasks: field holding the choices, a list (in CSV a JSON array); the context is --text-field "
+        "(default choices)",
+    )
+    sc.add_argument(
+        "--question-field", default="question", help="question-answering tasks: field of the question (default question)"
+    )
+    sc.add_argument("--context-field", default="context", help="question-answering tasks: field of the context (default context)")
     sc.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     sc.add_argument("--chunk-size", type=int, default=1024, help="rows read, length-sorted and committed at once (default 1024)")
     sc.add_argument(
@@ -50,6 +61,7 @@ def add_score(sub: Any) -> None:
     on_ray.add_argument("--ray", action="store_true", help="run on Ray Data: a local Ray, or RAY_ADDRESS's cluster")
     on_ray.add_argument("--ray-address", help="run on Ray Data on this cluster")
     sc.add_argument("--ray-actors", type=int, help="scoring actors with --ray (default: Ray's CPUs / --threads)")
+    add_head_options(sc)
     sc.set_defaults(run=run_score, needs="batch")
 
 
@@ -64,7 +76,8 @@ def run_score(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, chunk_size=args.chunk_size, max_row_bytes=args.max_row_bytes, all_scores=args.all_scores,
         activations=args.activations, prefix=args.prefix, threads=args.threads, overwrite=args.overwrite,
         ray=args.ray, ray_address=args.ray_address, ray_actors=args.ray_actors,
-        truncation_direction=args.truncation_direction, raw_scores=args.raw_scores,
+        truncation_direction=args.truncation_direction, raw_scores=args.raw_scores, choices_field=args.choices_field,
+        question_field=args.question_field, context_field=args.context_field, **head_options(args),
     )  # fmt: skip
     try:
         summary = score_file(job)

@@ -175,8 +175,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.artifact is not None:
         artifact = Path(args.artifact)
-    else:  # the built-in model: int8 on CPU (issue 28), fp32 on CUDA
-        artifact = default.ensure_artifact(precision=default.serving_precision(args.device or "auto"))
+    else:  # the built-in model: the fastest precision that passes its gate here (cli/default.py), said in one line
+        precision, why = default.choose_precision(args.device or "auto")
+        print(f"fusionserve: the built-in model in {precision}: {why}", file=sys.stderr)
+        artifact = default.ensure_artifact(precision=precision)
     names = (
         "host", "port", "replicas", "max_batch_size", "batch_wait_ms", "max_queued", "max_ongoing", "max_inputs",
         "max_body_bytes", "threads", "device", "max_batch_tokens", "ingress", "body_timeout_s", "replace", "grpc_port",

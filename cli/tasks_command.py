@@ -21,14 +21,19 @@ def add_tasks(sub: Any) -> None:
     what = add.add_mutually_exclusive_group()
     what.add_argument("--fusion", type=Path, help="AdapterHub fusion folder (save_adapter_fusion) over the artifact's adapters")
     what.add_argument("--adapter", help="one adapter the artifact holds (a single-adapter task)")
-    add.add_argument("--head", type=Path, required=True, help="AdapterHub classification head folder (save_head)")
+    add.add_argument(
+        "--head",
+        type=Path,
+        required=True,
+        help="AdapterHub head folder (save_head): classification, regression, multiple choice, tagging or question answering",
+    )
     add.add_argument("--replace", action="store_true", help="swap the weights of the existing task of this name")
     add.add_argument("--spec", type=Path, help="the export's spec, where the manifest's recorded path no longer holds it")
     add.set_defaults(run=run_add, needs="export")
     rm = verbs.add_parser("remove", help="remove a task as a new revision (its requests then get 404 unknown_task)")
     rm.add_argument("artifact")
     rm.add_argument("name")
-    rm.set_defaults(run=run_remove, needs="export")
+    rm.set_defaults(run=run_remove, needs="serve")  # ONNX Runtime checks the other tasks; no torch
     ls = verbs.add_parser("list", help="the tasks of the published revision")
     ls.add_argument("artifact")
     ls.add_argument("--json", action="store_true", help="the revision document as JSON")
@@ -47,10 +52,10 @@ def _checked(doc: dict[str, Any]) -> str:
     parts = []
     if "task" in checks:
         t = checks["task"]
-        parts.append(
-            f"vs PyTorch over {t['cases']} cases: max |diff| logits {t['max_abs_diff']['logits']:.2g}, "
-            f"label agreement {t['label_agreement']:.1%}"
-        )
+        out = next(iter(t["max_abs_diff"]))  # logits, or token_logits for a token-level head
+        agreement = f"label agreement {t['label_agreement']:.1%}" if "label_agreement" in t else ""
+        agreement = agreement or f"correlation {t['correlation']:.4f}"  # a regression head: no labels
+        parts.append(f"vs PyTorch over {t['cases']} cases: max |diff| {out} {t['max_abs_diff'][out]:.2g}, {agreement}")
     if "others" in checks:
         parts.append(f"{checks['others']['tasks']} other task(s) bit-identical")
     return "; ".join(parts)
@@ -71,7 +76,7 @@ def run_add(args: argparse.Namespace) -> int:
 
 
 def run_remove(args: argparse.Namespace) -> int:
-    from fusionserve.export.live.tasks import remove_task
+    from fusionserve.export.live.publish import remove_task
 
     doc = remove_task(args.artifact, args.name)
     print(

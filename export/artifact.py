@@ -17,22 +17,21 @@ from tqdm import tqdm
 
 from fusionserve import __version__
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.model.artifact import MODEL_FILE, TOKENIZER_FILE, sha256, write_manifest
+from fusionserve.serving.model.artifact import MODEL_FILE, PRECISIONS, TOKENIZER_FILE, sha256, write_manifest
 from fusionserve.serving.model.runtime import make_session
 from fusionserve.serving.model.tables import WithTables, stack, table_specs
 from fusionserve.serving.model.tokenize import Encoder
 
+from .bf16 import Bf16Gate, bf16_graph
 from .build import Dropped
 from .int8.quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
 from .int8.rowwise import MIN_OPSET as ROW_MIN_OPSET
 from .live.tables import graph_tables, write_first_revision
 from .model import FusionModel
-from .onnx_export import DEFAULT_OPSET, OPSETS, OUTPUTS, FusionReport, export_raw, optimize
+from .onnx_export import DEFAULT_OPSET, OPSETS, FusionReport, export_raw, optimize
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
 from .validate import GRIDS, check_parity, count_cases
-
-PRECISIONS = ("fp32", "fp16", "int8")
 
 
 def _source_checksums(spec: ModelSpec) -> dict[str, Any]:
@@ -66,11 +65,7 @@ def _manifest(
         "opset": opset,
         "max_seq_len": max_seq_len,
         "inputs": {name: described[name] for name in inputs},
-        "outputs": {
-            "logits": f"float32 (batch, {model.max_labels}): the first len(labels) columns are the task's",
-            "fusion_activations": f"float32 (batch, {len(model.sites)}, sequence, {len(model.adapter_names)}): "
-            "softmax weight of each adapter (columns: 'adapters') per fusion layer (rows: 'fusion_layers') and token",
-        },
+        "outputs": _outputs(model),
         "tokenizer": {"file": TOKENIZER_FILE, "pad_token": pad_token, "max_length": max_seq_len},
         "base_model": {
             "architecture": bb.arch.name,
@@ -82,18 +77,22 @@ def _manifest(
         "fusion_layers": [{"layer": site.layer, "place": site.place} for site in model.sites],
         "adapters": list(model.adapter_names),
         "adapters_per_layer": stacks,
-        "tasks": {
-            name: {
-                "index": model.task_index[name],
-                "kind": info.kind,
-                "labels": list(info.labels),
-                "adapters": list(info.adapters),
-                "adapters_per_layer": [list(layer) for layer in info.adapters_per_layer],
-            }
-            for name, info in model.infos.items()
-        },
+        "tasks": {name: {"index": model.task_index[name], **info.manifest_entry()} for name, info in model.infos.items()},
         "sources": _source_checksums(spec),
     }
+
+
+def _outputs(model: FusionModel) -> dict[str, str]:
+    """What each of the graph's outputs holds."""
+    described = {
+        "logits": f"float32 (batch, {model.max_labels}): the row's sequence-level head (classification, regression, "
+        "multiple choice); the first len(labels) columns are the task's",
+        "fusion_activations": f"float32 (batch, {len(model.sites)}, sequence, {len(model.adapter_names)}): "
+        "softmax weight of each adapter (columns: 'adapters') per fusion layer (rows: 'fusion_layers') and token",
+        "token_logits": f"float32 (batch, sequence, {model.token_width}): the row's token-level head (tagging, question "
+        "answering) on every token; the first len(labels) columns are the task's",
+    }
+    return {name: described[name] for name in model.outputs}
 
 
 def _check_options(precision: str, opset: int, out: Path, force: bool, parity_grid: str) -> None:
@@ -101,6 +100,10 @@ def _check_options(precision: str, opset: int, out: Path, force: bool, parity_gr
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     if precision not in PRECISIONS:
         raise FusionServeError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
+    if precision == "bf16":  # before anything is built: the bf16 gate runs the graph with OpenVINO
+        from fusionserve.serving.model.openvino_runtime import require_openvino
+
+        require_openvino("--precision bf16")
     if opset not in OPSETS:
         raise FusionServeError(f"--opset must be between {OPSETS[0]} and {OPSETS[-1]}, got {opset}")
     if precision == "int8" and opset < ROW_MIN_OPSET:
@@ -171,18 +174,22 @@ def _validated_graph(
     encoder: Any = None,
     live: bool = False,
 ) -> tuple[Any, FusionReport, Any, dict[str, Any] | None]:
-    """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 record).
-    int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph.
-    Raises ExportError, ParityError or Int8GateError."""
+    """Export, optimize and check the graph in ``work``; (session, fused-operator report, parity report, int8 or bf16
+    record). int8 quantizes the fp32 graph once it matched PyTorch, then gates it against that graph; bf16 keeps the
+    traced standard-op graph (no ONNX Runtime fusions: OpenVINO compiles it) and gates OpenVINO's bf16 against it.
+    Raises ExportError, ParityError, Int8GateError or Bf16GateError."""
     raw = work / "raw.onnx"
     export_raw(model, raw, opset, live)
     step("ONNX exported")
-    graph_precision = "fp32" if precision == "int8" else precision  # int8 starts from the validated fp32 graph
-    report: FusionReport = optimize(raw, work / MODEL_FILE, model, graph_precision)
+    graph_precision = "fp32" if precision in ("int8", "bf16") else precision  # both start from the validated fp32 graph
+    if precision == "bf16":
+        report = _standard_ops(raw, work / MODEL_FILE, model)
+    else:
+        report = optimize(raw, work / MODEL_FILE, model, graph_precision)
     for extra in work.glob("raw.onnx*"):
         extra.unlink()
     step(f"optimized ({report.describe()})")
-    if report.missing:
+    if report.missing and precision != "bf16":
         print(f"fusionserve export: warning: {report.describe()}", file=sys.stderr)
     session = make_session(work / MODEL_FILE, device="cpu")
     tables = _live_tables(session, model) if live else None
@@ -191,13 +198,34 @@ def _validated_graph(
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
         parity = check_parity(session, model, graph_precision, max_seq_len, progress=bar.update, grid=grid)
-    step(f"validated: max |diff| logits {parity.max_abs_diff['logits']:.2g}")
+    step("validated: " + ", ".join(f"max |diff| {k} {v:.2g}" for k, v in parity.max_abs_diff.items() if k.endswith("logits")))
+    if precision == "bf16":
+        total = count_cases(model, max_seq_len)  # the gate runs the whole grid, as int8's
+        with tqdm(total=total, desc="bf16 gate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
+            session, record = bf16_graph(work / MODEL_FILE, session, model, max_seq_len, Bf16Gate(), bar.update)
+        step(f"bf16 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
+        return session, report, parity, record
     if precision != "int8":
         return session, report, parity, None
     step("quantizing to int8")
     session, record = int8_graph(work, session, model, max_seq_len, int8, step.progress, encoder)
     step(f"int8 gate passed: label agreement {record['gate']['label_agreement']:.1%}")
     return session, report, parity, record
+
+
+def _standard_ops(raw: Path, out: Path, model: FusionModel) -> FusionReport:
+    """The traced graph as it is (bf16: OpenVINO reads standard operators and fuses them itself), moved to ``out`` with
+    its external data file, if any, renamed to match; the report counts no fused operator and expects none."""
+    import onnx
+
+    graph = onnx.load(str(raw))
+    onnx.save(graph, str(out), save_as_external_data=raw.stat().st_size > 1_800_000_000)
+    return _Unfused({}, {})
+
+
+class _Unfused(FusionReport):
+    def describe(self) -> str:
+        return "none: OpenVINO fuses the standard-op graph as it compiles it"
 
 
 def _live_tables(session: Any, model: FusionModel) -> dict[str, Any]:
@@ -243,7 +271,7 @@ def export_artifact(
     beyond the gate) or FusionServeError (bad options, existing folder). ``live``: tasks beside the graph (live.py)."""
     out = Path(out).resolve()
     _check_options(precision, opset, out, force, parity_grid)
-    step = _Steps(progress, 8 if precision == "int8" else 6)
+    step = _Steps(progress, {"int8": 8, "bf16": 7}.get(precision, 6))
     try:
         spec, model, tok, max_seq_len = _built(spec_path, tasks, dropped, max_seq_len, out)
     except BaseException:  # the bar ends before the error is printed, not after it when the process exits
@@ -257,7 +285,7 @@ def export_artifact(
     try:
         # int8's calibration file is tokenized as serving will tokenize
         encoder = Encoder(tok.backend_tokenizer, max_seq_len, str(tok.pad_token)) if int8.calibration else None
-        session, report, parity, int8_record = _validated_graph(
+        session, report, parity, record = _validated_graph(
             work, model, precision, opset, max_seq_len, step, parity_grid, int8, encoder, live
         )
         tok.save_pretrained(str(work))
@@ -267,8 +295,8 @@ def export_artifact(
         manifest = _manifest(spec, model, precision, opset, max_seq_len, str(tok.pad_token), inputs)
         manifest["fused_operators"] = {"found": report.counts, "expected": report.expected, "summary": report.describe()}
         manifest["parity"] = parity.as_dict()
-        manifest |= {k: v for k, v in {"int8": int8_record, "pruning": pruning}.items() if v is not None}
-        manifest["io"] = {"inputs": inputs, "outputs": list(OUTPUTS)}
+        manifest |= {k: v for k, v in {precision: record, "pruning": pruning}.items() if v is not None}
+        manifest["io"] = {"inputs": inputs, "outputs": list(model.outputs)}
         manifest |= {"live": write_first_revision(work, spec, model, session.session, manifest["parity"])} if live else {}
         manifest = _publish(work, out, manifest, step)
     finally:

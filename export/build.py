@@ -23,7 +23,7 @@ from .backbone import Backbone, load_backbone
 from .checkpoint import PLACES, AdapterCheckpoint, FusionCheckpoint, Site, load_adapter, load_fusion
 from .fusion import AdapterLayerBlock, PlainBlock, TaskLayer, fold_adapter, fold_fusion, fold_nothing
 from .head import HeadCheckpoint, load_head
-from .model import ClassificationHead, FusionModel, TaskInfo
+from .model import FusionModel, Head, TaskInfo
 from .spec import ModelSpec
 
 # task -> per site, the adapters removed from that task's fusion there (see prune.py)
@@ -197,7 +197,10 @@ def _task_infos(m: _Loaded, per_site: dict[str, list[tuple[str, ...]]]) -> list[
             task_adapters = m.fusions[task].adapter_names
         else:
             task_adapters = (t.adapter,) if t.adapter else ()
-        infos.append(TaskInfo(task, t.kind, m.heads[task].labels, tuple(task_adapters), tuple(per_site[task])))
+        head = m.heads[task]
+        infos.append(
+            TaskInfo(task, t.kind, head.labels, tuple(task_adapters), tuple(per_site[task]), head.kind, head.num_choices)
+        )
     return infos
 
 
@@ -250,5 +253,5 @@ def build_model(
         stack = [m.adapters[a].sites[site] for a in stack_names]
         blocks[site.index] = AdapterLayerBlock(stack, first.non_linearity, folded, ln_before=first.ln_before)
     infos = _task_infos(m, per_site)
-    head_modules = [ClassificationHead(m.heads[task]) for task in spec.tasks]
+    head_modules = [Head(m.heads[task]) for task in spec.tasks]
     return FusionModel(m.backbone, blocks, head_modules, infos, names, m.sites, stacks_)

@@ -20,7 +20,8 @@ from .model import FusionModel
 # The model's inputs; the exporter drops those the graph does not read (token_type_ids without token types, task_id
 # with a single head-only task), so the manifest lists the graph's own inputs.
 INPUTS = ("input_ids", "attention_mask", "token_type_ids", "task_id")
-OUTPUTS = ("logits", "fusion_activations")
+# The graph's outputs: token_logits only in a graph with a token-level head (FusionModel.outputs)
+OUTPUTS = ("logits", "fusion_activations", "token_logits")
 DEFAULT_OPSET = 17
 # the opsets an export can be written in: below 11 torch's exporter cannot write the model's dynamic Slice and Pad
 # (tried: 7, 9, 10 fail); 23 is the newest ONNX Runtime 1.32 reads. int8 needs 13 (int8/rowwise.py: MIN_OPSET).
@@ -94,6 +95,7 @@ def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET, live:
     axes = {name: {0: "batch", 1: "sequence"} for name in INPUTS[:3]}
     axes["task_id"] = {0: "task_rows"}  # 1 (one task for the batch) or batch (a task per row)
     axes |= {"logits": {0: "batch"}, "fusion_activations": {0: "batch", 2: "sequence"}}
+    axes |= {"token_logits": {0: "batch", 1: "sequence"}} if "token_logits" in model.outputs else {}
     traced: torch.nn.Module = model
     sample, names = _sample_inputs(model), list(INPUTS)
     if live:
@@ -114,7 +116,7 @@ def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET, live:
                 dynamo=False,
                 opset_version=opset,
                 input_names=names,
-                output_names=list(OUTPUTS),
+                output_names=list(model.outputs),
                 dynamic_axes=axes,
                 do_constant_folding=True,
             )

@@ -39,7 +39,10 @@ class TorchRunner:
         if name not in self.model.infos:
             raise SpecError(f"unknown task '{name}'; known tasks: {', '.join(self.model.infos)}")
         info = self.model.infos[name]
-        return TaskEntry(name, self.model.task_index[name], info.kind, info.labels, info.adapters, info.adapters_per_layer)
+        return TaskEntry(
+            name, self.model.task_index[name], info.kind, info.labels, info.adapters, info.adapters_per_layer, info.head,
+            info.num_choices,
+        )  # fmt: skip
 
     def run(self, task: str, encoded: Encoded, return_fusion_activations: bool = False) -> Output:
         """One forward pass on an encoded batch, like ``serving.runtime.OnnxRunner.run``. Raises SpecError for an

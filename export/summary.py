@@ -6,6 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from fusionserve.serving.model.artifact import describe_head
+
 from .checkpoint import load_adapter, load_fusion
 from .fusion import AdapterLayerBlock
 from .model import FusionModel
@@ -46,8 +48,7 @@ def summarize(spec: ModelSpec, model: FusionModel) -> dict[str, Any]:
     for index, (name, t) in enumerate(spec.tasks.items()):
         info = model.infos[name]
         head = model.heads[index]
-        entry: dict[str, Any] = {"kind": info.kind, "labels": list(info.labels), "adapters": list(info.adapters)}
-        entry["adapters_per_layer"] = [list(layer) for layer in info.adapters_per_layer]
+        entry: dict[str, Any] = info.manifest_entry()
         entry["head_parameters"] = _numel(head)
         totals["heads"] += entry["head_parameters"]
         if t.fusion is not None:
@@ -108,7 +109,7 @@ def render(summary: dict[str, Any]) -> str:
             "head": "head only",
         }[t["kind"]]
         lines.append(f"  {name:<16} {what}")
-        lines.append(f"  {'':<16} labels: {', '.join(t['labels'])}")
+        lines.append(f"  {'':<16} {describe_head(t)}")
         if t["kind"] == "fusion":
             names = [_short(site) for site in summary["fusion_layers"]]
             layers = "  ".join(f"{n}:{'+'.join(a) if a else '-'}" for n, a in zip(names, t["adapters_per_layer"], strict=True))

@@ -11,21 +11,21 @@ import torch
 
 from fusionserve.errors import FusionServeError
 
+from .grid import BATCH_SIZES, SEQ_LENS, grid_inputs
 from .model import FusionModel
 
 # Max abs diff allowed, per precision and output (activations: over real tokens, padding excluded). fp16 keeps
 # ~3 significant digits: a 5e-2 logit error moves probabilities by about 1%. The fusion softmax itself runs in
 # fp32, but its input comes out of the fp16 backbone and a sharp fusion (large scores) magnifies that rounding
 # into single weights (0.2 seen on a random tiny model): for fp16 the activations' diff is recorded, not gated.
+# token_logits (tagging, question answering) are gated as logits are, over each row's real tokens.
 TOLERANCES: dict[str, dict[str, float | None]] = {
-    "fp32": {"logits": 1e-4, "fusion_activations": 1e-4},
-    "fp16": {"logits": 5e-2, "fusion_activations": None},
+    "fp32": {"logits": 1e-4, "fusion_activations": 1e-4, "token_logits": 1e-4},
+    "fp16": {"logits": 5e-2, "fusion_activations": None, "token_logits": 5e-2},
 }
-BATCH_SIZES = (1, 3, 8)
-SEQ_LENS = (5, 37, 128)
 GRIDS = ("full", "quick")
-# quick: the whole grid for one task of each kind (fusion, adapter, head), one padded case for every other task;
-# every task's folded weights still run, and each kind's code path sees every shape
+# quick: the whole grid for one task of each kind (fusion, adapter, head) and head level (sequence, token), one padded
+# case for every other task; every task's folded weights still run, and each kind's code path sees every shape
 QUICK_CASE = (3, 37)
 
 
@@ -54,22 +54,35 @@ class ParityReport:
         }
 
 
-def grid_inputs(
-    vocab_size: int, max_seq_len: int, seed: int = 0, batch_sizes: tuple[int, ...] = BATCH_SIZES
-) -> list[tuple[int, int, dict[str, np.ndarray]]]:
-    """(batch, seq, inputs): random ids, every batch padded (rows of different lengths), pairs' second
-    segment marked in token_type_ids."""
-    rng = np.random.default_rng(seed)
-    cases = []
-    for batch in batch_sizes:
-        for seq in (s for s in SEQ_LENS if s <= max_seq_len):
-            ids = rng.integers(min(1000, vocab_size - 1) // 2, vocab_size, size=(batch, seq), dtype=np.int64)
-            lengths = rng.integers(max(2, seq // 3), seq + 1, size=batch)
-            lengths[0] = seq  # the longest row sets the width, as the tokenizer pads
-            mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
-            types = ((np.arange(seq)[None, :] >= lengths[:, None] // 2) & (mask == 1)).astype(np.int64)
-            cases.append((batch, seq, {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types}))
-    return cases
+def tolerances(precision: str, outputs: tuple[str, ...]) -> dict[str, float | None]:
+    """The tolerance of each of a graph's ``outputs`` at ``precision`` (token_logits only where the graph has them)."""
+    return {k: v for k, v in TOLERANCES[precision].items() if k in outputs}
+
+
+def answer_masks(model: FusionModel, task_id: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """Per output, where a row's answer is (True) for rows of tasks ``task_id`` ((1,) or (batch,)): a sequence-level
+    row's first len(labels) logits; a token-level row's first len(labels) token logits over its real tokens; every
+    row's fusion activations over its real tokens. Each mask broadcasts to its output's shape."""
+    batch = attention_mask.shape[0]
+    rows = np.broadcast_to(task_id, (batch,))
+    infos = list(model.infos.values())  # task-index order
+    labels = np.array([len(info.labels) for info in infos])[rows][:, None]  # (batch, 1)
+    token = np.array([info.level == "token" for info in infos])[rows][:, None]  # (batch, 1)
+    real = attention_mask.astype(bool)  # (batch, seq)
+    masks = {
+        "logits": ~token & (np.arange(model.max_labels)[None, :] < labels),  # (batch, max_labels)
+        "fusion_activations": real[:, None, :, None],  # (batch, 1, seq, 1)
+    }
+    if model.levels["token"]:  # (batch, seq, token_width)
+        masks["token_logits"] = (token & real)[:, :, None] & (np.arange(model.token_width)[None, None, :] < labels[:, :, None])
+    return masks
+
+
+def max_diff(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> float:
+    """max |got - want| where ``mask`` (0 where it selects nothing; inf for a non-finite difference)."""
+    diff = np.abs(got.astype(np.float64) - want)[np.broadcast_to(mask, got.shape)]
+    worst = float(diff.max()) if diff.size else 0.0
+    return worst if np.isfinite(worst) else float("inf")
 
 
 def _plan(model: FusionModel, max_seq_len: int, grid: str) -> list[tuple[str, list[tuple[int, int, dict[str, np.ndarray]]]]]:
@@ -79,9 +92,9 @@ def _plan(model: FusionModel, max_seq_len: int, grid: str) -> list[tuple[str, li
     cases = grid_inputs(model.backbone.vocab_size, max_seq_len)
     if grid == "full":
         return [(task, cases) for task in model.task_index]
-    first_of_kind: dict[str, str] = {}
+    first_of_kind: dict[tuple[str, str], str] = {}
     for task, info in model.infos.items():
-        first_of_kind.setdefault(info.kind, task)
+        first_of_kind.setdefault((info.kind, info.level), task)
     batch, seq = QUICK_CASE[0], min(QUICK_CASE[1], max_seq_len)
     one = [c for c in cases if c[0] == batch and c[1] == seq] or cases[:1]
     return [(task, cases if task in first_of_kind.values() else one) for task in model.task_index]
@@ -98,31 +111,25 @@ def check_parity(
     """Compare ``session`` (an onnxruntime.InferenceSession) with ``model`` for every task over ``grid``.
 
     Raises ParityError listing each output's max diff when any exceeds the tolerance for ``precision``."""
-    tol = TOLERANCES[precision]
+    tol = tolerances(precision, model.outputs)
     report = ParityReport(precision, tol, {k: 0.0 for k in tol}, grid=grid)
     # a graph with one task and no adapter never reads task_id, and the exporter drops unused inputs
     wanted = {i.name for i in session.get_inputs()}  # type: ignore[attr-defined]
-    runs = [
-        (f"task {t}", np.array([model.task_index[t]]), len(model.infos[t].labels), c) for t, c in _plan(model, max_seq_len, grid)
-    ]
+    runs = [(f"task {t}", np.array([model.task_index[t]]), c) for t, c in _plan(model, max_seq_len, grid)]
     if "task_id" in wanted:  # rows of every task in one batch: each row gets its own task's answer
-        runs += [(f"tasks {ids.tolist()}", ids, model.max_labels, [c]) for ids, c in mixed_cases(model, max_seq_len)]
-    for what, task_id, n, cases in runs:
+        runs += [(f"tasks {ids.tolist()}", ids, [c]) for ids, c in mixed_cases(model, max_seq_len)]
+    for what, task_id, cases in runs:
         for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-            got = session.run(None, feed)  # type: ignore[attr-defined]
+            got = dict(zip(model.outputs, session.run(list(model.outputs), feed), strict=True))  # type: ignore[attr-defined]
             with torch.inference_mode():
                 want = model(
                     *(torch.from_numpy(feeds[k]) for k in ("input_ids", "attention_mask", "token_type_ids")),
                     torch.from_numpy(task_id),
                 )
-            real = feeds["attention_mask"][:, None, :, None].astype(bool)  # (batch, 1, seq, 1)
-            acts_got, acts_want = got[1] * real, want[1].numpy() * real
-            pairs = {"logits": (got[0][:, :n], want[0][:, :n].numpy()), "fusion_activations": (acts_got, acts_want)}
-            for name, (a, b) in pairs.items():
-                diff = float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
-                if not np.isfinite(diff):
-                    diff = float("inf")
+            masks = answer_masks(model, task_id, feeds["attention_mask"])
+            for name, want_out in zip(model.outputs, want, strict=True):
+                diff = max_diff(got[name], want_out.numpy(), masks[name])
                 if diff >= report.max_abs_diff[name]:
                     report.max_abs_diff[name] = diff
                     report.worst[name] = f"{what}, batch {batch}, sequence {seq}"

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusionserve.errors import InputError
+from fusionserve.serving.model.heads import HeadOptions, as_flag
 from fusionserve.serving.model.tokenize import TRUNCATION_DIRECTIONS
 
 from .files import MAX_ROW_BYTES
+from .readers import InputFields
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,19 @@ class ScoreConfig:
     ray_actors: int | None = None
     truncation_direction: str = "right"  # where a text over the token limit is cut: right keeps its start, left its end
     raw_scores: bool = False  # score columns hold the logits instead of probabilities
+    # multiple-choice tasks read their context from text_field and their choices here (a list; in CSV a JSON array)
+    choices_field: str = "choices"
+    question_field: str = "question"  # question-answering tasks read these two
+    context_field: str = "context"
+    # the heads' options, as on POST /v1/classify (None: the default); each must be read by one of the tasks
+    aggregation_strategy: str | None = None
+    top_k: int | None = None
+    max_answer_len: int | None = None
+    handle_impossible_answer: bool | None = None
+    doc_stride: int | None = None
 
     def __post_init__(self) -> None:
+        self.head_options()  # an unknown strategy, a value out of range: refused before anything is read
         if self.truncation_direction not in TRUNCATION_DIRECTIONS:
             raise InputError(
                 f"--truncation-direction '{self.truncation_direction}' is not known; allowed: {', '.join(TRUNCATION_DIRECTIONS)}"
@@ -57,6 +70,19 @@ class ScoreConfig:
         repeated = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
         if repeated:
             raise InputError(f"--task: {', '.join(map(repr, repeated))} named more than once")
+
+    def head_options(self) -> HeadOptions:
+        """The options for the tasks' heads; raises InputError naming the option (as --aggregation-strategy ...)."""
+        try:
+            return HeadOptions(self.aggregation_strategy, self.top_k, self.max_answer_len, self.handle_impossible_answer,
+                               self.doc_stride)  # fmt: skip
+        except InputError as exc:
+            raise as_flag(exc) from None
+
+    @property
+    def fields(self) -> InputFields:
+        """Where a row holds each part of an input."""
+        return InputFields(self.text_field, self.pair_field, self.choices_field, self.question_field, self.context_field)
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""``fusionserve evaluate``: accuracy of a task on labelled JSONL lines.
+"""``fusionserve evaluate``: accuracy of a classification task on labelled JSONL lines (the other heads' metrics:
+``evaluate_heads.py``).
 
 Input lines are ``{"text": ..., "text_pair": ..., "label": ...}``; a line without a usable text or with a label the
 task does not have is reported with the reason and left out of the accuracy, and the rest go on.
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import InputError
+from fusionserve.serving.model import heads
 from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runner import ActivationRunner
 
@@ -66,7 +68,13 @@ def evaluate(
     line is usable."""
     from tqdm import tqdm
 
-    labels = runner.task(task).labels
+    entry = runner.task(task)
+    if heads.head(entry) != heads.CLASSIFICATION:
+        raise InputError(
+            f"task '{task}' is {heads.head(entry)}: its metric is not accuracy over labels; `fusionserve evaluate` "
+            "reports it (evaluate_heads.py)"
+        )
+    labels = entry.labels
     index = {label: i for i, label in enumerate(labels)}
     per_label = {label: [0, 0] for label in labels}
     bad: list[tuple[int, str]] = []

@@ -1,6 +1,7 @@
 """Inputs read from JSON lines files (``predict --input``, ``calibrate``, ``evaluate``): one object per line,
-``{"text": ..., "text_pair": ..., "id": ..., "label": ...}``; a bad line becomes the InputError that says why, and
-the rest go on."""
+``{"text": ..., "text_pair": ..., "id": ..., "label": ...}`` (``predict`` also reads ``{"text", "choices"}`` and
+``{"question", "context"}``, the inputs of multiple-choice and question-answering tasks); a bad line becomes the
+InputError that says why, and the rest go on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fusionserve.errors import InputError
-from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.predictions import Input, TextInput, read_input
 
 from .files import MAX_ROW_BYTES, lines, not_utf8, open_input, too_long
 
@@ -26,7 +27,7 @@ class LabelledInput:
     label: str | None
 
 
-def _json_lines(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
+def json_lines(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object or the InputError of that line); blank lines are skipped. The file is opened
     now: raises InputError when it is missing, a folder, unreadable or not UTF-8 text (``files.open_input``)."""
     handle = open_input(path)
@@ -61,23 +62,23 @@ def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield batch
 
 
-def read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, TextInput | InputError]]:
-    """(line number, input or the error that line has); blank lines are skipped. Raises InputError, now, if the file
-    is unreadable."""
-    return _inputs(_json_lines(path, max_row_bytes))
+def read_jsonl(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Input | InputError]]:
+    """(line number, input of any shape, or the error that line has); blank lines are skipped. Raises InputError,
+    now, if the file is unreadable."""
+    return _inputs(json_lines(path, max_row_bytes))
 
 
-def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, TextInput | InputError]]:
+def _inputs(objects: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Input | InputError]]:
     for no, obj in objects:
         try:
-            yield no, obj if isinstance(obj, InputError) else TextInput.from_json(obj)
+            yield no, obj if isinstance(obj, InputError) else read_input(obj)
         except InputError as exc:
             yield no, exc
 
 
 def read_labelled_jsonl(path: Path, require_label: bool) -> Iterator[tuple[int, LabelledInput | InputError]]:
     """Like ``read_jsonl``, lines may also carry ``"label"``: a string, required when ``require_label``."""
-    return _labelled(_json_lines(path), require_label)
+    return _labelled(json_lines(path), require_label)
 
 
 def _labelled(objects: Iterator[tuple[int, Any]], require_label: bool) -> Iterator[tuple[int, LabelledInput | InputError]]:

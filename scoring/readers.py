@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
-from fusionserve.serving.model.predictions import TextInput
+from fusionserve.serving.model.predictions import ChoiceInput, Input, QAInput, TextInput
 
 from .files import MAX_ROW_BYTES, READ_BYTES, lines, not_utf8, open_input, too_long
 
@@ -198,25 +198,66 @@ def parse(fmt: str, payload: Any, header: Sequence[str] | None = None, max_row_b
 
 def to_input(record: Record, text_field: str, pair_field: str | None) -> TextInput | InputError:
     """The text (and pair) a record holds, or the InputError naming the field and what is wrong with it."""
-    values: list[str | None] = []
-    for name in (text_field, pair_field):
-        if name is None:
-            values.append(None)
-            continue
-        if name not in record:
-            return InputError(f"missing field '{name}'")
-        value = record[name]
-        if value is None:
-            return InputError(f"field '{name}' is null")
-        if not isinstance(value, str):
-            return InputError(f"field '{name}' must be a string, got {_kind(value)} {_short(value)}")
-        if not value.strip():
-            return InputError(f"field '{name}' is empty" if not value else f"field '{name}' is only whitespace")
-        values.append(value)
-    text, pair = values
-    if text is None:
-        raise ValueError("text_field is required")
-    return TextInput(text, pair)
+    try:
+        return TextInput(_string(record, text_field), None if pair_field is None else _string(record, pair_field))
+    except InputError as exc:
+        return exc
+
+
+def _string(record: Record, name: str) -> str:
+    """The text in field ``name``; raises InputError naming the field and what is wrong with it."""
+    if name not in record:
+        raise InputError(f"missing field '{name}'")
+    value = record[name]
+    if value is None:
+        raise InputError(f"field '{name}' is null")
+    if not isinstance(value, str):
+        raise InputError(f"field '{name}' must be a string, got {_kind(value)} {_short(value)}")
+    if not value.strip():
+        raise InputError(f"field '{name}' is empty" if not value else f"field '{name}' is only whitespace")
+    return value
+
+
+def _choices(record: Record, name: str) -> list[Any]:
+    """The list in field ``name`` (a list, or in a CSV cell a JSON array); raises InputError naming the field."""
+    if name not in record or record[name] is None:
+        raise InputError(f"missing field '{name}': a multiple-choice task reads its choices there")
+    value = record[name]
+    if isinstance(value, str):  # CSV: the cell holds the list as JSON
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise InputError(
+                f'field \'{name}\' must be a list of texts (in CSV: a JSON array such as ["yes", "no"]), got {_short(value)}'
+            ) from None
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"field '{name}' must be a list of texts, got {_kind(value)} {_short(value)}")
+    return list(value)
+
+
+@dataclass(frozen=True)
+class InputFields:
+    """Where a record holds each part of an input: ``score``'s --text-field, --pair-field, --choices-field,
+    --question-field and --context-field."""
+
+    text: str = "text"
+    pair: str | None = None
+    choices: str = "choices"
+    question: str = "question"
+    context: str = "context"
+
+    def read(self, record: Record, shape: type) -> Input:
+        """The input of ``shape`` (TextInput, ChoiceInput, QAInput) ``record`` holds; raises InputError naming the field
+        and what is wrong with it."""
+        if shape is ChoiceInput:
+            choices = _choices(record, self.choices)
+            try:
+                return ChoiceInput(_string(record, self.text), tuple(choices))
+            except InputError as exc:  # named as the row names it: 'choices' -> the field's own name
+                raise InputError(str(exc).replace("'choices", f"field '{self.choices}", 1)) from None
+        if shape is QAInput:
+            return QAInput(_string(record, self.question), _string(record, self.context))
+        return TextInput(_string(record, self.text), None if self.pair is None else _string(record, self.pair))
 
 
 def _kind(value: Any) -> str:

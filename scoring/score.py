@@ -25,11 +25,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusionserve.errors import InputError
-from fusionserve.serving.model.artifact import MANIFEST, Artifact, is_artifact, load_artifact, sha256
+from fusionserve.serving.model.artifact import MANIFEST, Artifact, TaskEntry, is_artifact, load_artifact, sha256
+from fusionserve.serving.model.heads import CLASSIFICATION, MULTIPLE_CHOICE, QUESTION_ANSWERING, REGRESSION, as_flag, head
 from fusionserve.serving.model.runtime import OnnxRunner
 
+from .columns import Added
 from .config import ScoreConfig
-from .core import Added, score_records
+from .core import score_records
 from .files import check_output, model_files, open_input
 from .progress import Progress, prepare, side_files
 from .readers import Source, format_of, open_source, parse, raw_rows
@@ -81,8 +83,49 @@ def _run_identity(cfg: ScoreConfig, artifact: Artifact, out_fmt: str) -> dict[st
         # only when chosen: a run started before these options existed resumes as it was
         **({"truncation_direction": cfg.truncation_direction} if cfg.truncation_direction != "right" else {}),
         **({"raw_scores": True} if cfg.raw_scores else {}),
+        **{k: v for k, v in _head_fields(cfg).items() if v is not None},
         "output_format": out_fmt,
     }
+
+
+_HEAD_FIELDS = ("choices_field", "question_field", "context_field", "aggregation_strategy", "top_k", "max_answer_len",
+                "handle_impossible_answer", "doc_stride")  # fmt: skip
+
+
+def _head_fields(cfg: ScoreConfig) -> dict[str, Any]:
+    """The options of heads beyond classification where they differ from their defaults: a run started before they
+    existed resumes as it was."""
+    defaults = ScoreConfig.__dataclass_fields__
+    return {k: getattr(cfg, k) for k in _HEAD_FIELDS if getattr(cfg, k) != defaults[k].default}
+
+
+def _fields_read(cfg: ScoreConfig, entries: list[TaskEntry]) -> list[tuple[str, str, bool]]:
+    """(flag, field, holds text) of every field the tasks' heads read from a row."""
+    kinds = {head(e) for e in entries}
+    out = []
+    if kinds - {QUESTION_ANSWERING}:
+        out.append(("--text-field", cfg.text_field, True))
+    if cfg.pair_field is not None:
+        out.append(("--pair-field", cfg.pair_field, True))
+    if MULTIPLE_CHOICE in kinds:
+        out.append(("--choices-field", cfg.choices_field, False))
+    if QUESTION_ANSWERING in kinds:
+        out += [("--question-field", cfg.question_field, True), ("--context-field", cfg.context_field, True)]
+    return out
+
+
+def _check_heads(cfg: ScoreConfig, entries: list[TaskEntry], max_length: int) -> None:
+    """What the tasks' heads make of the job's options, before anything is read. Raises InputError naming the option."""
+    pairs = [e for e in entries if head(e) in (CLASSIFICATION, REGRESSION)]
+    if cfg.pair_field is not None and len(pairs) < len(entries):
+        other = next(e for e in entries if e not in pairs)
+        raise InputError(
+            f"--pair-field: task '{other.name}' is {head(other)}; only classification and regression tasks read a text pair"
+        )
+    try:
+        cfg.head_options().check(entries, cfg.raw_scores, max_length)
+    except InputError as exc:
+        raise as_flag(exc) from None
 
 
 def _holds_strings(kind: pa.DataType) -> bool:
@@ -91,9 +134,9 @@ def _holds_strings(kind: pa.DataType) -> bool:
     return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind))
 
 
-def _check_columns(cfg: ScoreConfig, source: Source, added: Added) -> None:
-    """Fail before scoring when the text field is nowhere or an added column is taken. For JSONL, whose fields vary
-    by row, the first chunk stands for the file. Raises InputError."""
+def _check_columns(cfg: ScoreConfig, source: Source, added: Added, entries: list[TaskEntry]) -> None:
+    """Fail before scoring when a field the tasks read is nowhere or an added column is taken. For JSONL, whose fields
+    vary by row, the first chunk stands for the file. Raises InputError."""
     where = str(cfg.input)
     if source.columns is not None:
         cols, seen = set(source.columns), f"; columns: {', '.join(source.columns)}"
@@ -107,10 +150,10 @@ def _check_columns(cfg: ScoreConfig, source: Source, added: Added) -> None:
         cols = {k for r in records for k in r}
         seen = f"; fields seen: {', '.join(sorted(cols))}"
         where = f"the first {len(sample)} rows of {cfg.input}"
-    for flag, name in (("--text-field", cfg.text_field), ("--pair-field", cfg.pair_field)):
-        if name is not None and name not in cols:
+    for flag, name, text in _fields_read(cfg, entries):
+        if name not in cols:
             raise InputError(f"{flag} '{name}' not found in {where}{seen}")
-        if name is not None and source.schema is not None:
+        if text and source.schema is not None:
             kind = source.schema.field(name).type
             if not _holds_strings(kind):
                 raise InputError(f"{flag} '{name}' of {cfg.input} is a {kind} column; it must hold strings")
@@ -186,8 +229,9 @@ def score_file(cfg: ScoreConfig, max_rows: int | None = None) -> ScoreSummary:
         raise InputError(f"--activations: task '{plain[0].name}' has no fusion layer ({plain[0].kind} task)")
     if max_rows is not None and cfg.uses_ray:
         raise InputError("max_rows stops a local run; --ray does not resume")
+    _check_heads(cfg, entries, artifact.max_seq_len)
     added = Added.of(cfg, entries)
-    _check_columns(cfg, source, added)
+    _check_columns(cfg, source, added, entries)
     _check_outputs(cfg)
     state = prepare(cfg.output_path, _run_identity(cfg, artifact, out_fmt), cfg.overwrite, str(cfg.input), str(artifact.folder))
     resumed_from, started = state.rows_done, time.perf_counter()
@@ -235,8 +279,8 @@ def _score_local(
                 return True
             records = [parse(source.fmt, payload, source.columns, cfg.max_row_bytes) for _, payload in chunk]
             results = score_records(
-                runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size, cfg.activations, on_rows,
-                cfg.truncation_direction, cfg.raw_scores,
+                runner, cfg.tasks, records, cfg.fields, cfg.batch_size, cfg.activations, on_rows, cfg.truncation_direction,
+                cfg.raw_scores, cfg.head_options(),
             )  # fmt: skip
             sink.write([no for no, _ in chunk], records, results)
             sink.commit(len(chunk))

@@ -22,6 +22,7 @@ finishes. The input file and the artifact folder must be readable at the same pa
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -87,17 +88,15 @@ class ScoreBatches:
     def __call__(self, batch: pa.Table) -> pa.Table:
         cfg = self.cfg
         records = _records(batch, self.fmt, self.header, self.cfg.max_row_bytes)
-        results = score_records(self.runner, cfg.tasks, records, cfg.text_field, cfg.pair_field, cfg.batch_size,
-                                cfg.activations, None, cfg.truncation_direction, cfg.raw_scores)  # fmt: skip
+        results = score_records(self.runner, cfg.tasks, records, cfg.fields, cfg.batch_size, cfg.activations, None,
+                                cfg.truncation_direction, cfg.raw_scores, cfg.head_options())  # fmt: skip
         ok = [None if isinstance(r, InputError) else r for r in results]  # per row: one Scored per task
-        floats, nested = pa.list_(pa.float64()), pa.list_(pa.list_(pa.float64()))
-        columns = {
+        nested = pa.list_(pa.list_(pa.float64()))
+        columns = {  # a prediction's shape depends on its task's head: it travels as its JSON text
             "error": pa.array([str(r) if isinstance(r, InputError) else None for r in results], pa.string()),
-            "label": pa.array([r and [s.label for s in r] for r in ok], pa.list_(pa.string())),
-            "score": pa.array([r and [s.score for s in r] for r in ok], floats),
-            "scores": pa.array([r and [list(s.scores) for s in r] for r in ok], nested),
+            "prediction": pa.array([r and [json.dumps(s.prediction) for s in r] for r in ok], pa.list_(pa.string())),
             "acts": pa.array([r and [list(s.activations or ()) for s in r] for r in ok], nested),
-            "truncated": pa.array([r and r[0].truncated for r in ok], pa.bool_()),
+            "truncated": pa.array([r and [s.truncated for s in r] for r in ok], pa.list_(pa.bool_())),
         }
         for name, values in columns.items():
             batch = batch.append_column(_PREFIX + name, values)
@@ -113,17 +112,14 @@ def _records(batch: pa.Table, fmt: str, header: tuple[str, ...] | None, max_row_
 
 
 def _results(batch: pa.Table, activations: bool) -> list[tuple[Scored, ...] | InputError]:
-    cols = {name: batch.column(_PREFIX + name).to_pylist() for name in ("error", "label", "score", "scores", "acts", "truncated")}
+    cols = {name: batch.column(_PREFIX + name).to_pylist() for name in ("error", "prediction", "acts", "truncated")}
     out: list[tuple[Scored, ...] | InputError] = []
     for i, error in enumerate(cols["error"]):
         if error is not None:
             out.append(InputError(error))
             continue
-        per_task = zip(cols["label"][i], cols["score"][i], cols["scores"][i], cols["acts"][i], strict=True)
-        cut = cols["truncated"][i]
-        out.append(
-            tuple(Scored(lab, sc, tuple(scs), tuple(acts) if activations else None, cut) for lab, sc, scs, acts in per_task)
-        )
+        per_task = zip(cols["prediction"][i], cols["acts"][i], cols["truncated"][i], strict=True)
+        out.append(tuple(Scored(json.loads(p), tuple(acts) if activations else None, cut) for p, acts, cut in per_task))
     return out
 
 

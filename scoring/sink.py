@@ -11,8 +11,9 @@ import pyarrow as pa
 from fusionserve.errors import InputError
 from fusionserve.serving.model.artifact import sha256
 
+from .columns import Added
 from .config import ScoreConfig
-from .core import Added, Scored
+from .core import Scored
 from .progress import Progress, side_files
 from .readers import Record, Source
 from .writers import CsvWriter, JsonlWriter, ParquetWriter
@@ -61,7 +62,7 @@ class Sink:
                 continue
             good_rows.append(no)
             good.append({**record, **self.added.values(result)})
-            cut[no] = result[0].truncated
+            cut[no] = any(r.truncated for r in result)
         refused = self.writer.write(good_rows, good)
         self.state.scored += len(good_rows) - len(refused)
         self.state.truncated += sum(cut[no] for no in good_rows) - sum(cut[no] for no, _ in refused)

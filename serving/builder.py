@@ -33,7 +33,8 @@ from . import options
 from .api.grpc_ingress import transport_env
 from .api.metrics import METRICS_ENV
 from .api.schemas import Limits
-from .model.artifact import MANIFEST, check_task, load_artifact
+from .api.tei import check_default_task
+from .model.artifact import MANIFEST, load_artifact
 from .model.runtime import DeviceError, resolve_device
 from .options import ONGOING_FLOOR, default
 from .private import WORKER_NICENESS
@@ -178,8 +179,7 @@ def check_artifact(args: AppArgs) -> None:
     if not (folder / MANIFEST).is_file():
         return
     artifact = load_artifact(folder)
-    if args.default_task is not None:
-        check_task(artifact, args.default_task, "default_task")
+    check_default_task(artifact, args.default_task)
     args.batch_limits().check_fits(artifact.max_seq_len)
 
 

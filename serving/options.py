@@ -77,6 +77,10 @@ TASK_NAME_RULE = (
 )
 MAX_TASKS_PER_REQUEST = 64  # names in "tasks"
 MAX_TIMEOUT_MS = 3_600_000  # the longest deadline a request may give (timeout_ms, X-Request-Timeout-Ms): an hour
+# choices of one multiple-choice input: each is a row of its own (a (context, choice) pair), counted against the
+# request's --max-inputs like any row; AdapterHub's num_choices is the count a head was trained with, not this bound
+MIN_CHOICES, MAX_CHOICES = 2, 64
+MAX_TOP_K = 100  # answers one question-answering input may ask for (top_k)
 MAX_ERROR_CHARS = 1000  # an error message (HTTP body, gRPC details: HTTP/2 trailers are limited to ~8 KB)
 # a text is cut at (token limit x this) characters before it is tokenized: far above what the kept tokens need (a
 # WordPiece token covers ~4-5 characters of English, a word longer than 100 characters is one [UNK]), so the cut

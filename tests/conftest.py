@@ -5,7 +5,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,10 +16,14 @@ from fusionserve.export.predict import TorchRunner
 from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
 from fusionserve.serving.model.activations import stats_document
+from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.training import sources
-from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers, score_helpers
+from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
 from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
+from tests.head_kinds import HeadKinds, add_heads
+from tests.import_helpers import TORCH, environment_without
+from tests.serving_helpers import SHARED_ARGS, Served, SharedServers
 
 # The tests run tiny models: a second intra-op thread adds nothing but contention on the shared 2 cores (the parity
 # check of one tiny export took 8.7 s with 2 threads on a busy machine, 0.6 s with 1).
@@ -33,6 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _shared_server_last(items)
     if config.getoption("--image"):
         return
     skip = pytest.mark.skip(
@@ -41,6 +46,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("image"):
             item.add_marker(skip)
+
+
+def _shared_server_last(items: list[pytest.Item]) -> None:
+    """The tests on the shared server run one after the other at the end, in their modules' order, those marked
+    ``stops_shared_server`` last: it starts once and does not sit idle (a Ray node, Serve and a replica) while the rest
+    runs."""
+    on_it = [item for item in items if "shared_server" in getattr(item, "fixturenames", ())]
+    rest = [item for item in items if "shared_server" not in getattr(item, "fixturenames", ())]
+    items[:] = rest + sorted(on_it, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
 
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])
@@ -69,22 +83,27 @@ def exported(built, tmp_path_factory) -> export_helpers.Exported:
 
 
 @pytest.fixture(scope="session")
-def artifacts(built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
-    """The tiny model exported once per precision: test_runtime.py and test_gpu.py."""
-    root = tmp_path_factory.mktemp("gpu")
-    for precision in ("fp32", "fp16"):
-        export_artifact(
-            built_st.spec, root / precision, precision=precision, max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False
-        )
-    return runtime_helpers.Artifacts(root / "fp32", root / "fp16")
+def artifact(built_st, tmp_path_factory) -> Path:
+    """The tiny model exported once (fp32, runtime_helpers.MAX_SEQ_LEN tokens) and only read: scoring, the runtime and
+    the servers of the end-to-end tests (one export where each serving module made its own copy)."""
+    out = tmp_path_factory.mktemp("artifact") / "art"
+    export_artifact(built_st.spec, out, max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")
-def artifact(built_st, tmp_path_factory) -> Path:
-    """The tiny model exported for scoring: test_score*.py."""
-    out = tmp_path_factory.mktemp("score") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=score_helpers.MAX_SEQ_LEN, progress=False)
-    return out
+def artifacts(artifact, built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
+    """The tiny model at each precision (fp32 is ``artifact``): test_runtime.py and test_gpu.py."""
+    fp16 = tmp_path_factory.mktemp("fp16") / "art"
+    export_artifact(built_st.spec, fp16, precision="fp16", max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False)
+    return runtime_helpers.Artifacts(artifact, fp16)
+
+
+@pytest.fixture
+def runner(artifacts) -> OnnxRunner:
+    """A one-thread ONNX Runtime session of the fp32 tiny model, fresh for each test (batching_helpers.Gate wraps its
+    ``run``): the scheduler tests. test_export and test_score define their own."""
+    return OnnxRunner(artifacts.fp32, threads=1, device="cpu")
 
 
 # --- calibration statistics: test_calibrate_evaluate.py and test_prune.py ----------------------------------------
@@ -172,3 +191,42 @@ def arch_exported(arch_built, tmp_path_factory) -> export_helpers.Exported:
     folder = tmp_path_factory.mktemp("arch-export") / "artifact"
     manifest = export_artifact(arch_built.spec, folder, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN, progress=False)
     return export_helpers.Exported(folder.resolve(), manifest)
+
+
+# --- every head kind AdapterHub trains, saved by it: test_head_kinds*.py --------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def arch_heads(arch_built) -> HeadKinds:
+    """Each backbone x adapter architecture's tiny model with a head of every kind added (head_kinds.py)."""
+    return add_heads(arch_built.reference, arch_built.spec.parent, arch_built.tokenizer, classification="dyn")
+
+
+@pytest.fixture(scope="session")
+def bert_heads(arch_models) -> HeadKinds:
+    """The tiny BERT (Pfeiffer adapters) of backbone_models with a head of every kind added, for the export tests. Its
+    fusion is the gentler one (weights moved by 0.1): with the 0.3 of adapterhub_models the fusion softmax is nearly
+    one-hot, and a tagging head over every token (37 x 8 of them) then shows float rounding near the 1e-4 parity
+    tolerance (2.9e-4 seen after ONNX Runtime's fusions, 8e-5 before them, while [CLS] stays at 5e-6)."""
+    built = arch_models("bert", "seq_bn")
+    return add_heads(built.reference, built.spec.parent, built.tokenizer, classification="dyn")
+
+
+# --- a real server shared by the end-to-end tests that only need one running ---------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory) -> Iterator[SharedServers]:
+    """Shared servers, started where torch cannot be imported (in any process of theirs: `serve` needs no torch)."""
+    folder = tmp_path_factory.mktemp("servers")
+    servers = SharedServers(folder, env=dict(os.environ, **environment_without(folder / "no-torch", TORCH)))
+    yield servers
+    servers.stop_all()
+
+
+@pytest.fixture
+def shared_server(shared_servers, artifact) -> Served:
+    """`fusionserve serve` of ``artifact`` on 127.0.0.1 with the default limits, gRPC on (``grpc_port``), one ONNX
+    Runtime thread and a 2 s body timeout, torch unimportable, started once for test_loopback, test_request_limits,
+    test_serving_faults and test_serving_hardening (again after a test stopped it)."""
+    return shared_servers.get("shared", artifact, *SHARED_ARGS, grpc=True)

@@ -10,7 +10,9 @@ from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS
 
-MAX_SEQ_LEN = 32  # parity grid at export: sequence 5 only; buckets 16 and 32
+# the tiny model's shared artifacts (conftest ``artifact``, ``artifacts``): parity grid at export sequence 5 only,
+# buckets 16 and 32; scoring and the servers of the end-to-end tests use the fp32 one too
+MAX_SEQ_LEN = 32
 FUSION_TASKS = [name for name, (kind, *_) in TASKS.items() if kind == "fusion"]
 
 

@@ -1,6 +1,6 @@
 """Shared by the scoring tests (test_score.py, test_score_resume.py, test_score_ray.py): input rows, writing and
 reading them in each format, the side file of bad rows, and a ScoreConfig on the tiny artifact (the ``artifact``
-fixture in conftest.py, exported with MAX_SEQ_LEN tokens)."""
+fixture in conftest.py, exported with runtime_helpers.MAX_SEQ_LEN tokens)."""
 
 import csv
 import io
@@ -14,8 +14,6 @@ import pyarrow.parquet as pq
 from fusionserve.scoring.config import ScoreConfig
 from fusionserve.scoring.progress import side_files
 from tests.adapterhub_models import WORDS
-
-MAX_SEQ_LEN = 32
 
 
 def _texts(n: int, seed: int = 0) -> list[str]:

@@ -56,6 +56,7 @@ class Served:
     port: int
     proc: subprocess.Popen
     log: Path
+    grpc_port: int | None = None  # set by SharedServers when it turns gRPC on
 
 
 def descendants(pid: int) -> set[int]:
@@ -145,12 +146,49 @@ def stop(served: Served, sig: int = signal.SIGINT) -> None:
 
 
 @contextmanager
-def serving(artifact: Path, log: Path, *args: str) -> Iterator[Served]:
-    served = launch(artifact, log, *args)
+def serving(artifact: Path, log: Path, *args: str, **kwargs) -> Iterator[Served]:
+    """``launch(artifact, log, *args, **kwargs)``, stopped (SIGINT) at the end unless a test stopped it."""
+    served = launch(artifact, log, *args, **kwargs)
     try:
         yield served
     finally:
         stop(served)
+
+
+SHARED_BODY_TIMEOUT_S = 2  # the shared server's --body-timeout-s: a stalled body is answered 408 this soon
+SHARED_ARGS = ("--body-timeout-s", str(SHARED_BODY_TIMEOUT_S), "--threads", "1")  # and gRPC on (conftest.shared_server)
+
+
+class SharedServers:
+    """The servers of the tests that only need a server, by name: each started at its first use and kept for the test
+    session, so that the modules that share one start Ray once. A test that stops a shared server (the tests of
+    stopping do) leaves it stopped; the next test that asks for it gets it started again. Stopped at the end."""
+
+    def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
+        self.folder, self.env = folder, env
+        self.running: dict[str, tuple[tuple[str, ...], Served]] = {}
+        self.starts: dict[str, int] = {}
+
+    def get(self, name: str, artifact: Path, *args: str, grpc: bool = False) -> Served:
+        """The running server ``name`` (``fusionserve serve artifact *args``, with ``--grpc-port`` on a free port if
+        ``grpc``), started now if it is not running."""
+        key = (str(artifact), *args, "--grpc" if grpc else "")
+        if name in self.running:
+            started_with, served = self.running[name]
+            assert started_with == key, f"shared server {name!r} asked for with {key}, started with {started_with}"
+            if served.proc.poll() is None:
+                return served
+        self.starts[name] = self.starts.get(name, 0) + 1
+        grpc_port = free_port() if grpc else None
+        extra = ("--grpc-port", str(grpc_port)) if grpc_port else ()
+        served = launch(artifact, self.folder / f"{name}-{self.starts[name]}.log", *args, *extra, env=self.env)
+        served.grpc_port = grpc_port
+        self.running[name] = (key, served)
+        return served
+
+    def stop_all(self) -> None:
+        for _, served in self.running.values():
+            stop(served)
 
 
 def haproxy_config(pid: int) -> Path:

@@ -4,7 +4,6 @@ larger than a batch is split over several and answers exactly what its texts ans
 the count cap hold, and a full queue refuses at once."""
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
@@ -13,34 +12,7 @@ from fusionserve.errors import FusionServeError
 from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.scheduler.batching import BatchLimits, BatchStats, Overloaded, Scheduler
-from tests.adapterhub_models import PAIRS, SENTENCES
-
-TEXTS = [TextInput(s) for s in SENTENCES] + [TextInput(a, b) for a, b in PAIRS]
-
-
-class Gate:
-    """Holds the model thread inside its next run until ``open``: lets a test queue requests while a batch runs."""
-
-    def __init__(self, runner: OnnxRunner) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-        self.release.set()
-        real = runner.run
-
-        def run(*args, **kwargs):
-            self.entered.set()
-            self.release.wait(30)
-            return real(*args, **kwargs)
-
-        runner.run = run  # instrumentation only: the real session still computes every batch
-
-    def close(self) -> None:
-        self.entered.clear()
-        self.release.clear()
-
-
-@pytest.fixture
-def runner(artifacts) -> OnnxRunner:
-    return OnnxRunner(artifacts.fp32, threads=1, device="cpu")
+from tests.batching_helpers import TEXTS, scheduled, until
 
 
 def _solo(runner: OnnxRunner, task: str, inputs: list[TextInput]) -> np.ndarray:
@@ -56,18 +28,12 @@ def test_one_request_at_an_idle_server_runs_alone_and_at_once(runner):
 
 
 def test_the_next_batch_forms_while_one_runs(runner):
-    batches: list[BatchStats] = []
-    sched = Scheduler(runner, BatchLimits(max_batch_size=8), batches.append)
-    gate = Gate(runner)
+    sched, batches, gate = scheduled(runner, max_batch_size=8)
 
     async def scenario():
-        gate.close()
-        first = asyncio.ensure_future(sched.submit("nli", TEXTS[:1]))
-        while not gate.entered.is_set():  # the first batch is in the model
-            await asyncio.sleep(0.01)
+        first = await gate.hold(sched.submit("nli", TEXTS[:1]))  # the first batch is in the model
         rest = [asyncio.ensure_future(sched.submit("nli", [x])) for x in TEXTS[1:6]]
-        while sched.queued_rows < 5:  # all five tokenized and queued behind the running batch
-            await asyncio.sleep(0.01)
+        await until(lambda: sched.queued_rows >= 5, "all five tokenized and queued behind the running batch")
         gate.release.set()
         return await first, await asyncio.gather(*rest)
 
@@ -112,14 +78,10 @@ def test_the_token_budget_caps_a_batch(runner):
 
 
 def test_a_full_queue_refuses_at_once_and_the_rest_are_served(runner):
-    sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=3))
-    gate = Gate(runner)
+    sched, _, gate = scheduled(runner, max_batch_size=2, max_queued=3)
 
     async def scenario():
-        gate.close()
-        running = asyncio.ensure_future(sched.submit("rte", TEXTS[:1]))
-        while not gate.entered.is_set():
-            await asyncio.sleep(0.01)
+        running = await gate.hold(sched.submit("rte", TEXTS[:1]))
         waiting = [asyncio.ensure_future(sched.submit("rte", [x])) for x in TEXTS[1:4]]
         await asyncio.sleep(0)
         with pytest.raises(Overloaded, match="the limit is 3"):
@@ -138,9 +100,8 @@ def test_a_full_queue_refuses_before_the_request_is_read(runner):
     from fusionserve.serving.api.metrics import Metrics
     from fusionserve.serving.api.schemas import HTTPError, Limits
 
-    sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=1))
+    sched, _, gate = scheduled(runner, max_batch_size=2, max_queued=1)
     core = Classifier(runner.encoder, sched, Limits(), Metrics())
-    gate = Gate(runner)
     reads: list[str] = []
 
     async def read():
@@ -148,10 +109,7 @@ def test_a_full_queue_refuses_before_the_request_is_read(runner):
         raise HTTPError(422, "malformed_json", "not JSON")
 
     async def scenario():
-        gate.close()
-        running = asyncio.ensure_future(sched.submit("rte", TEXTS[:1]))
-        while not gate.entered.is_set():
-            await asyncio.sleep(0.01)
+        running = await gate.hold(sched.submit("rte", TEXTS[:1]))
         waiting = asyncio.ensure_future(sched.submit("rte", TEXTS[1:2]))  # the one request that may wait
         await asyncio.sleep(0)
         refused = await core(read, "test")
@@ -182,19 +140,13 @@ def test_a_budget_below_one_input_is_refused(runner):
 
 
 def test_a_batch_mixing_tasks_answers_each_row_as_its_task_alone(runner):
-    batches: list[BatchStats] = []
-    sched = Scheduler(runner, BatchLimits(max_batch_size=16), batches.append)
-    gate = Gate(runner)
+    sched, batches, gate = scheduled(runner, max_batch_size=16)
     work = [(task, TEXTS[i % len(TEXTS)]) for i, task in enumerate(["rte", "nli", "alpha_only", "head_only", "custom", "rte"])]
 
     async def scenario():
-        gate.close()
-        first = asyncio.ensure_future(sched.submit("flat", TEXTS[:1]))
-        while not gate.entered.is_set():
-            await asyncio.sleep(0.01)
+        first = await gate.hold(sched.submit("flat", TEXTS[:1]))
         rest = [asyncio.ensure_future(sched.submit(task, [x])) for task, x in work]
-        while sched.queued_rows < len(work):
-            await asyncio.sleep(0.01)
+        await until(lambda: sched.queued_rows >= len(work), "every request queued")
         gate.release.set()
         return await first, await asyncio.gather(*rest)
 

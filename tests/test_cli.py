@@ -192,3 +192,35 @@ def test_predict_reports_a_latin1_line_and_a_line_over_the_limit_in_their_place_
     src.write_bytes('{"text": "a film", "label": "neutral"}\n{"text": "café", "label": "neutral"}\n'.encode("latin-1"))
     code, out, err = _run(capsys, "evaluate", artifact, "--task", "rte", "--input", src)
     assert code == 0 and "line 2: not valid UTF-8: byte 0xe9 at column 14" in err and "/1; 95% CI" in out  # one line counted
+
+
+def test_predict_batches_texts_of_similar_length_and_answers_in_input_order(artifact):
+    """predict runs a window of inputs in batches of similar token length, as score does (issue 38: the int8
+    benchmark measured such batches while predict padded file-order batches to their longest, and int8's answers,
+    whose QKV and adapter activation scales are per batch, differed): less padding, answers in input order."""
+    import io
+
+    import numpy as np
+
+    from fusionserve.scoring.predict import predict
+    from fusionserve.serving.model.predictions import TextInput
+    from fusionserve.serving.model.runtime import OnnxRunner
+
+    widths: list[int] = []
+
+    class Recording(OnnxRunner):
+        def run(self, task, encoded, return_fusion_activations=False, served=None):
+            widths.append(encoded.input_ids.shape[1])
+            return super().run(task, encoded, return_fusion_activations, served)
+
+    runner = Recording(artifact, threads=1, device="cpu")
+    long = " ".join(SENTENCES)
+    texts = [SENTENCES[0] if i % 2 else long for i in range(8)]  # long, short, long, short, ...
+    out = io.StringIO()
+    assert predict(runner, "rte", iter(enumerate(TextInput(t) for t in texts)), out, batch_size=2) == (8, 0)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    short, wide = min(widths), max(widths)
+    assert short < wide and widths[:4].count(wide) == 2  # two batches of the long texts, two of the short ones
+    alone = {t: runner.logits("rte", [TextInput(t)])[0][0] for t in set(texts)}
+    for text, row in zip(texts, rows, strict=True):
+        np.testing.assert_allclose(row["logits"], alone[text], atol=1e-5)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.process.ports import free_port
 from tests import cluster_helpers as ch
 from tests.adapterhub_models import SENTENCES
@@ -29,10 +28,8 @@ PAUSE_S = 0.1  # light load: each client waits this long between requests (about
 
 
 @pytest.fixture(scope="module")
-def cluster(built_st, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cluster")
-    art = folder / "art"
-    export_artifact(built_st.spec, art, max_seq_len=32, progress=False)
+def cluster(artifact, tmp_path_factory):
+    folder, art = tmp_path_factory.mktemp("cluster"), artifact
     head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port())
     nodes = [head]
     try:

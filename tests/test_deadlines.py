@@ -10,34 +10,16 @@ import numpy as np
 import pytest
 
 from fusionserve.serving.model.predictions import TextInput
-from fusionserve.serving.model.runtime import OnnxRunner
-from fusionserve.serving.scheduler.batching import BatchLimits, BatchStats, DeadlineExceeded, Scheduler
+from fusionserve.serving.scheduler.batching import BatchLimits, DeadlineExceeded, Scheduler
 from tests.adapterhub_models import SENTENCES
-from tests.test_batching import TEXTS, Gate
-
-
-@pytest.fixture
-def runner(artifacts) -> OnnxRunner:
-    return OnnxRunner(artifacts.fp32, threads=1, device="cpu")
-
-
-async def _until(check, what: str, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} within {within_s} s")
-        await asyncio.sleep(0.005)
+from tests.batching_helpers import TEXTS, scheduled, until
 
 
 def test_a_request_still_queued_at_its_deadline_is_dropped_before_the_model_runs_it(runner):
-    batches: list[BatchStats] = []
-    sched = Scheduler(runner, BatchLimits(max_batch_size=8), batches.append)
-    gate = Gate(runner)
+    sched, batches, gate = scheduled(runner, max_batch_size=8)
 
     async def scenario():
-        gate.close()
-        busy = asyncio.ensure_future(sched.submit("rte", TEXTS[:1]))
-        await _until(gate.entered.is_set, "in the model")
+        busy = await gate.hold(sched.submit("rte", TEXTS[:1]))
         late = asyncio.ensure_future(sched.submit("rte", TEXTS[1:4], deadline=time.monotonic() + 0.05))
         with pytest.raises(DeadlineExceeded, match="passed its deadline"):
             await late
@@ -53,14 +35,10 @@ def test_a_request_still_queued_at_its_deadline_is_dropped_before_the_model_runs
 
 
 def test_a_deadline_passing_once_the_model_has_the_request_changes_nothing(runner):
-    batches: list[BatchStats] = []
-    sched = Scheduler(runner, BatchLimits(max_batch_size=8), batches.append)
-    gate = Gate(runner)
+    sched, _, gate = scheduled(runner, max_batch_size=8)
 
     async def scenario():
-        gate.close()
-        running = asyncio.ensure_future(sched.submit("nli", TEXTS[:2], deadline=time.monotonic() + 0.05))
-        await _until(gate.entered.is_set, "in the model")
+        running = await gate.hold(sched.submit("nli", TEXTS[:2], deadline=time.monotonic() + 0.05))
         await asyncio.sleep(0.1)  # its deadline passes while its batch runs
         gate.release.set()
         return await running
@@ -70,16 +48,12 @@ def test_a_deadline_passing_once_the_model_has_the_request_changes_nothing(runne
 
 
 def test_a_request_whose_caller_goes_away_is_dropped_and_frees_its_place(runner):
-    batches: list[BatchStats] = []
-    sched = Scheduler(runner, BatchLimits(max_batch_size=2, max_queued=2), batches.append)
-    gate = Gate(runner)
+    sched, batches, gate = scheduled(runner, max_batch_size=2, max_queued=2)
 
     async def scenario():
-        gate.close()
-        busy = asyncio.ensure_future(sched.submit("custom", TEXTS[:1]))
-        await _until(gate.entered.is_set, "in the model")
+        busy = await gate.hold(sched.submit("custom", TEXTS[:1]))
         gone = asyncio.ensure_future(sched.submit("custom", TEXTS[1:6]))  # 5 inputs: 3 batches of 2
-        await _until(lambda: sched.queued_rows == 5, "queued")
+        await until(lambda: sched.queued_rows == 5, "queued")
         gone.cancel()  # what Serve does to the handler of a client that disconnected
         await asyncio.sleep(0)
         assert gone.cancelled() and sched.waiting == 0 and sched.queued_rows == 0
@@ -92,18 +66,14 @@ def test_a_request_whose_caller_goes_away_is_dropped_and_frees_its_place(runner)
 
 
 def test_a_cancelled_request_keeps_what_a_running_batch_computes_and_drops_the_rest(runner):
-    batches: list[BatchStats] = []
-    sched = Scheduler(runner, BatchLimits(max_batch_size=2), batches.append)
-    gate = Gate(runner)
+    sched, batches, gate = scheduled(runner, max_batch_size=2)
 
     async def scenario():
-        gate.close()
-        job = asyncio.ensure_future(sched.submit("rte", TEXTS[:6]))  # 3 batches of 2
-        await _until(gate.entered.is_set, "in the model")
+        job = await gate.hold(sched.submit("rte", TEXTS[:6]))  # 3 batches of 2
         job.cancel()
         await asyncio.sleep(0)
         gate.release.set()
-        await _until(lambda: sched.waiting == 0 and not sched.queued_rows, "drained")
+        await until(lambda: sched.waiting == 0 and not sched.queued_rows, "drained")
         await asyncio.sleep(0.2)  # room for a wrong second batch to show up
 
     asyncio.run(scenario())

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.import_helpers import TORCH, refusing
+
 ROOT = Path(__file__).resolve().parents[1]
 # folder -> package (pyproject's package-dir)
 PACKAGES = {"fusionserve": "fusionserve", "cli": "fusionserve.cli", "export": "fusionserve.export",
@@ -86,6 +88,7 @@ def _part(module: str) -> int:
     raise AssertionError(f"{module} belongs to no part of serving/: {SERVING_PARTS}")
 
 
+@pytest.mark.slow
 def test_serving_parts_import_downwards():
     modules = [m for m in _graph() if m.startswith(SERVING + ".")]
     assert {SERVING_PARTS[_part(m)] for m in modules} == set(SERVING_PARTS)  # every part was found
@@ -142,20 +145,11 @@ def test_no_module_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-_BLOCK_TORCH = """
-import importlib.abc, json, sys
-class Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers", "adapters"):
-            raise ModuleNotFoundError(f"No module named {name!r} (refused by the test)", name=name)
-sys.meta_path.insert(0, Refuse())
-"""
-
-
 @pytest.mark.slow
 def test_serving_scoring_and_cli_import_without_torch():
     modules = [m for m in _modules() if _layer(m) in ("fusionserve", SERVING, "fusionserve.scoring", "fusionserve.cli")]
-    code = _BLOCK_TORCH + (
+    code = refusing(TORCH) + (
+        "import json\n"
         f"for m in {modules!r}:\n    __import__(m)\n"
         "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'onnx', 'onnxruntime', 'tokenizers')}))\n"
     )

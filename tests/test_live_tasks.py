@@ -22,6 +22,7 @@ from fusionserve.serving.model import revisions
 from fusionserve.serving.model.artifact import ArtifactError, load_artifact
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests import live_helpers
+from tests.import_helpers import TORCH, cli_without, imported
 from tests.live_helpers import FIRST, LiveModel, answers, make_live
 
 TOL = 1e-4
@@ -97,6 +98,33 @@ def test_add_replace_remove_match_adapterhub_and_leave_the_others_bit_identical(
     assert all(t["sha256"] and (art / t["file"]).is_file() for d in docs for t in d["tasks"].values())
 
 
+@pytest.mark.slow
+def test_the_light_commands_run_without_torch(live, tmp_path):
+    """`tasks list`, `tasks config`, `inspect` of an artifact and `tasks remove` in a fresh interpreter where torch,
+    transformers and adapters cannot be imported: none needs them, and none imports them (`tasks remove` spent 7.4 of
+    its 7.5 s importing torch). `serve` runs so in conftest.shared_server."""
+    art = live.copy(tmp_path / "art")
+    light = ("torch", "onnx", "onnxruntime")
+    commands = {"list": ["tasks", "list", art], "config": ["tasks", "config", art], "inspect": ["inspect", art],
+                "remove": ["tasks", "remove", art, "head_only"]}  # fmt: skip
+    outputs = {}
+    for name, argv in commands.items():
+        done = cli_without(TORCH, argv, modules=light)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+        assert imported(done) == {"torch": False, "onnx": False, "onnxruntime": name == "remove"}, argv
+        outputs[name] = done.stdout
+    assert all(t in outputs["list"] for t in FIRST) and "revision 0" in outputs["list"]
+    assert json.loads(outputs["config"].splitlines()[0])["user_config"]
+    assert outputs["inspect"].startswith("artifact    fusionserve") and all(t in outputs["inspect"] for t in FIRST)
+    assert (
+        "revision 1 published: removed task 'head_only'" in outputs["remove"]
+        and "2 other task(s) bit-identical" in outputs["remove"]
+    )
+    assert list(load_artifact(art).tasks) == ["custom", "alpha_only"]
+    for t in ("custom", "alpha_only"):
+        assert np.array_equal(answers(art, t), answers(live.artifact, t)), t
+
+
 def _refusals(live: LiveModel, tmp: Path) -> dict[str, tuple[list, str]]:
     """case -> (argv after `tasks add ART`, what the error must say)."""
     r = live.root
@@ -152,6 +180,7 @@ def test_every_refusal_exits_2_naming_the_problem_and_leaves_the_revision_served
     assert code == 2 and "no task 'nope' to remove" in err and _state(art) == state
 
 
+@pytest.mark.slow
 def test_a_second_tasks_command_is_refused_while_one_holds_the_lock(live, tmp_path, capsys):
     art = live.copy(tmp_path / "art")
     state = _state(art)
@@ -214,8 +243,8 @@ def test_a_new_target_over_a_pruned_adapter_is_refused_with_the_reason(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp16", "int8"])
-def test_fp16_and_int8_artifacts_take_new_tasks_within_their_gate(live, precision, tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["fp16", "int8", "bf16"])
+def test_fp16_int8_and_bf16_artifacts_take_new_tasks_within_their_gate(live, precision, tmp_path, capsys):
     art = tmp_path / precision
     export_artifact(
         live.built.spec, art, precision=precision, max_seq_len=live_helpers.MAX_SEQ_LEN, progress=False, tasks=FIRST,
@@ -229,6 +258,11 @@ def test_fp16_and_int8_artifacts_take_new_tasks_within_their_gate(live, precisio
     got, want = answers(art, "flat"), live.reference("flat")
     if precision == "fp16":
         np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
+    elif precision == "bf16":  # gated in bf16 (OpenVINO) against AdapterHub, and served so
+        report = revisions.read(art, revisions.current(art))["checks"]["task"]
+        assert report["precision"] == "bf16" and 1e-3 < report["max_abs_diff"]["logits"] <= report["gate"]["max_logit_change"]
+        np.testing.assert_allclose(got, want, atol=report["gate"]["max_logit_change"], rtol=0)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
     else:
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
     assert np.array_equal(answers(art, "custom"), before)

@@ -19,7 +19,17 @@ import pytest
 
 from fusionserve.serving.process import loopback
 from fusionserve.serving.process.server import ServerConfig
-from tests.serving_helpers import MARK_ENV, call, carrying, free_port, is_loopback, launch, listeners_once_up, new_mark
+from tests.serving_helpers import (
+    MARK_ENV,
+    Served,
+    call,
+    carrying,
+    free_port,
+    is_loopback,
+    launch,
+    listeners_once_up,
+    new_mark,
+)
 
 needs_shim = pytest.mark.skipif(
     loopback.packaged() is None, reason="fusionserve was installed without its loopback shim (no C compiler then)"
@@ -127,27 +137,38 @@ def _classify_grpc(port: int, host: str = "127.0.0.1") -> int:
     return len(answer.predictions)
 
 
+def _only_the_serving_ports_beyond_loopback(served: Served, grpc_port: int, host: str) -> None:
+    assert call(served.url + "/v1/classify", TEXT)[0] == 200
+    assert _classify_grpc(grpc_port) == 1
+    found = listeners_once_up(served.proc.pid, {served.port, grpc_port})
+    outside = sorted({(name, ip, port) for name, ip, port in found if not is_loopback(ip)})
+    allowed = set() if host == "127.0.0.1" else {served.port, grpc_port}
+    assert {port for _, _, port in outside} == allowed, f"listening outside loopback: {outside}"
+    assert len(found) > 10  # Ray's processes were seen (psutil read the whole tree)
+    if allowed:
+        ip = _outside_ip()
+        assert call(f"http://{ip}:{served.port}/v1/classify", TEXT)[0] == 200
+        assert _classify_grpc(grpc_port, ip) == 1
+    assert "WARNING" not in Path(served.log).read_text()
+
+
 @pytest.mark.slow
 @needs_shim
-@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
-def test_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marked, host):
-    """With --host 127.0.0.1 (the default) nothing of the server's process tree listens outside loopback; with --host
-    0.0.0.0 only the HTTP and gRPC ports do, and they answer at the machine's own address. Both answer HTTP and gRPC."""
+def test_with_host_127_0_0_1_nothing_listens_beyond_loopback(shared_server):
+    """With --host 127.0.0.1 (the default: the shared server of conftest.py) nothing of the server's process tree
+    listens outside loopback, and it answers HTTP and gRPC."""
+    _only_the_serving_ports_beyond_loopback(shared_server, shared_server.grpc_port, "127.0.0.1")
+
+
+@pytest.mark.slow
+@needs_shim
+def test_with_host_0_0_0_0_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marked):
+    """With --host 0.0.0.0 only the HTTP and gRPC ports are outside loopback, and they answer HTTP and gRPC at the
+    machine's own address."""
     grpc_port = free_port("0.0.0.0")
-    served = launch(artifact, tmp_path / "serve.log", "--host", host, "--grpc-port", str(grpc_port), env=marked)
+    served = launch(artifact, tmp_path / "serve.log", "--host", "0.0.0.0", "--grpc-port", str(grpc_port), env=marked)
     try:
-        assert call(served.url + "/v1/classify", TEXT)[0] == 200
-        assert _classify_grpc(grpc_port) == 1
-        found = listeners_once_up(served.proc.pid, {served.port, grpc_port})
-        outside = sorted({(name, ip, port) for name, ip, port in found if not is_loopback(ip)})
-        allowed = set() if host == "127.0.0.1" else {served.port, grpc_port}
-        assert {port for _, _, port in outside} == allowed, f"listening outside loopback: {outside}"
-        assert len(found) > 10  # Ray's processes were seen (psutil read the whole tree)
-        if allowed:
-            ip = _outside_ip()
-            assert call(f"http://{ip}:{served.port}/v1/classify", TEXT)[0] == 200
-            assert _classify_grpc(grpc_port, ip) == 1
-        assert "WARNING" not in Path(served.log).read_text()
+        _only_the_serving_ports_beyond_loopback(served, grpc_port, "0.0.0.0")
     finally:
         served.proc.send_signal(signal.SIGTERM)
         served.proc.wait(60)

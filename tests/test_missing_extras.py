@@ -8,32 +8,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fusionserve.cli.main import main
+from tests.import_helpers import cli_without
 from tests.serving_helpers import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-_RUN_WITHOUT = """
-import importlib.abc, sys
-BLOCKED = {blocked!r}
-class Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-sys.meta_path.insert(0, Refuse())
-from fusionserve.cli.main import main
-sys.exit(main({argv!r}))
-"""
-
-
-def _cli_without(blocked: list[str], argv: list[str]) -> subprocess.CompletedProcess[str]:
-    code = _RUN_WITHOUT.format(blocked=blocked, argv=argv)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
 
 
 def _one_line(done: subprocess.CompletedProcess[str]) -> str:
@@ -44,20 +25,17 @@ def _one_line(done: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def artifact_and_input(tmp_path_factory, built_st) -> tuple[Path, Path]:
-    from fusionserve.export.artifact import export_artifact
-
+def artifact_and_input(tmp_path_factory, artifact) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("extras")
-    export_artifact(built_st.spec, folder / "art", max_seq_len=32, progress=False)
     rows = folder / "in.jsonl"
     rows.write_text(json.dumps({"text": "a fine film"}) + "\n", encoding="utf-8")
-    return folder / "art", rows
+    return artifact, rows
 
 
 @pytest.mark.slow
 def test_score_without_pyarrow_names_the_batch_extra(artifact_and_input, tmp_path):
     art, rows = artifact_and_input
-    done = _cli_without(
+    done = cli_without(
         ["pyarrow"], ["score", str(art), "--task", "rte", "--input", str(rows), "--output", str(tmp_path / "o.jsonl")]
     )
     assert _one_line(done) == (
@@ -68,7 +46,7 @@ def test_score_without_pyarrow_names_the_batch_extra(artifact_and_input, tmp_pat
 @pytest.mark.slow
 def test_serve_without_ray_names_the_serve_extra(artifact_and_input):
     art, _ = artifact_and_input
-    done = _cli_without(["ray"], ["serve", str(art), "--port", "8099"])
+    done = cli_without(["ray"], ["serve", str(art), "--port", "8099"])
     assert (
         _one_line(done)
         == "fusionserve: error: 'fusionserve serve' needs ray, which is not installed: pip install 'fusionserve[serve]'"
@@ -77,7 +55,7 @@ def test_serve_without_ray_names_the_serve_extra(artifact_and_input):
 
 @pytest.mark.slow
 def test_export_without_torch_names_the_export_extra(built_st, tmp_path):
-    done = _cli_without(["torch"], ["export", str(built_st.spec), "--out", str(tmp_path / "art")])
+    done = cli_without(["torch"], ["export", str(built_st.spec), "--out", str(tmp_path / "art")])
     assert _one_line(done) == (
         "fusionserve: error: 'fusionserve export' needs torch, which is not installed: pip install 'fusionserve[export]'"
     )

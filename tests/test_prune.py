@@ -287,6 +287,7 @@ def test_prune_rule_needs_exactly_one_criterion():
 # --- prune --eval ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prune_with_eval_prints_accuracy_and_latency_side_by_side(built_st, stats, tmp_path, capsys):
     labels = TASKS["nli"][3]
     src = _jsonl(tmp_path / "l.jsonl", [{"text": s, "label": labels[k % 2]} for k, s in enumerate(SENTENCES * 2)])

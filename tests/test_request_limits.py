@@ -11,31 +11,25 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from fusionserve.serving.options import CHARS_PER_TOKEN_BUDGET, MAX_ERROR_CHARS, MAX_TASK_NAME_CHARS
-from tests.serving_helpers import call, descendants, free_port, launch, mutations, stop
+from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
+from tests.serving_helpers import call, descendants, mutations
 
 pytestmark = pytest.mark.slow
-MAX_SEQ_LEN = 32
 METADATA = (("application", "fusionserve"),)
 METHOD = "/fusionserve.v1.Classifier/Classify"
 
 
-@pytest.fixture(scope="module")
-def server(built_st, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("limits")
-    export_artifact(built_st.spec, folder / "art", max_seq_len=MAX_SEQ_LEN, progress=False)
-    grpc_port = free_port()
-    served = launch(folder / "art", folder / "server.log", "--grpc-port", str(grpc_port), "--threads", "1")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.max_send_message_length", -1)])
-    served.stub = pb_grpc.ClassifierStub(channel)
-    served.raw = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=pb.ClassifyResponse.FromString)
-    yield served
-    channel.close()
-    stop(served)
+@pytest.fixture
+def server(shared_server):
+    """The server shared with other modules (conftest.py), with gRPC stubs on its gRPC port."""
+    with grpc.insecure_channel(f"127.0.0.1:{shared_server.grpc_port}", options=[("grpc.max_send_message_length", -1)]) as ch:
+        shared_server.stub = pb_grpc.ClassifierStub(ch)
+        shared_server.raw = ch.unary_unary(METHOD, request_serializer=None, response_deserializer=pb.ClassifyResponse.FromString)
+        yield shared_server
 
 
 def _refused(send, request) -> grpc.RpcError:
@@ -130,7 +124,7 @@ def test_a_text_far_over_the_token_limit_is_cut_before_it_is_tokenized(server):
     assert answer["predictions"][0] == answer["predictions"][1]
     code, answer = call(server.url + "/v1/classify", {"task": "rte", "inputs": [huge], "strict": True})
     assert code == 413 and answer["error"]["message"].startswith("inputs[0] has 2"), answer  # 207+: counted in the cut
-    assert "+ tokens; the limit is 32 (strict mode)" in answer["error"]["message"]
+    assert f"+ tokens; the limit is {MAX_SEQ_LEN} (strict mode)" in answer["error"]["message"]
     got = server.stub.Classify(pb.ClassifyRequest(task="rte", inputs=[pb.Input(text=huge)]), metadata=METADATA, timeout=60)
     assert got.predictions[0].truncated
 

@@ -18,7 +18,8 @@ from fusionserve.scoring.score import score_file
 from fusionserve.serving.model.predictions import TextInput, label_scores
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS
-from tests.score_helpers import MAX_SEQ_LEN, _cfg, _errors, _read, _texts, _write
+from tests.runtime_helpers import MAX_SEQ_LEN
+from tests.score_helpers import _cfg, _errors, _read, _texts, _write
 
 
 @pytest.fixture(scope="module")

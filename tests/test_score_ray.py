@@ -12,6 +12,7 @@ from fusionserve.scoring.score import score_file
 from tests.score_helpers import _cfg, _rows_with_bad_ones, _write
 
 
+@pytest.mark.slow
 def test_ray_data_path_gives_the_local_output(artifact, tmp_path):
     import ray
 

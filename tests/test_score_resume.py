@@ -51,6 +51,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_output(artifact, tmp_path,
     assert json.loads(progress.read_text())["complete"] is True
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_duplicates_or_gaps(artifact, tmp_path):
     src = _write(tmp_path / "in.jsonl", [{"id": i, "text": t} for i, t in enumerate(_texts(2000, seed=4))])
     ref, dst = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"

@@ -22,7 +22,6 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from fusionserve.cli.main import main
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY, grpc_code
@@ -40,15 +39,13 @@ METADATA = (("application", "fusionserve"),)
 
 
 @pytest.fixture(scope="module")
-def art(built_st, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve-config") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
-    return out
+def art(artifact):
+    return artifact
 
 
 @pytest.fixture(scope="module")
-def deployed(art):
-    folder = art.parent
+def deployed(art, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-config")
     head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port())
     try:
         out = io.StringIO()

@@ -27,16 +27,15 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from tests.adapterhub_models import PAIRS, SENTENCES
-from tests.serving_helpers import descendants, free_port, launch, stop
+from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
+from tests.serving_helpers import descendants, free_port, serving
 
 pytestmark = pytest.mark.slow
 
-MAX_SEQ_LEN = 16
 KEY = "k-" + os.urandom(12).hex()  # 26 characters, fresh for every run: any trace of it in a log is this test's
 OTHER_KEY = "k2-" + os.urandom(8).hex()  # a second accepted key (rotation)
 WRONG = ["", "Bearer", "Bearer " + "x" * len(KEY), "Bearer " + KEY[:-1], "Bearer " + KEY + "0", f"Basic {KEY}", KEY]
@@ -44,24 +43,15 @@ METADATA = (("application", "fusionserve"),)
 
 
 @pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("api") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=MAX_SEQ_LEN, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def server(artifact, tmp_path_factory):
     log = tmp_path_factory.mktemp("api-log") / "server.log"
     grpc_port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "FUSIONSERVE_API_KEY"}
-    served = launch(artifact, log, "--api-key", f"{KEY}, {OTHER_KEY}", "--default-task", "rte", "--grpc-port", str(grpc_port),
-                    "--threads", "1", "--max-batch-size", "4", "--batch-wait-ms", "1000", "--max-inputs", "64", env=env)  # fmt: skip
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    served.stub = pb_grpc.ClassifierStub(channel)
-    yield served
-    channel.close()
-    stop(served)
+    args = ["--api-key", f"{KEY}, {OTHER_KEY}", "--default-task", "rte", "--grpc-port", str(grpc_port), "--threads", "1",
+            "--max-batch-size", "4", "--batch-wait-ms", "1000", "--max-inputs", "64"]  # fmt: skip
+    with serving(artifact, log, *args, env=env) as served, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        served.stub = pb_grpc.ClassifierStub(channel)
+        yield served
 
 
 def _call(url: str, body: object = None, auth: str | None = "Bearer " + KEY, headers: dict | None = None, method=None):

@@ -2,71 +2,35 @@
 spoken to over HTTP. One server for the module (Ray takes seconds to start); stopped with SIGINT at the end."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.model.predictions import TextInput, softmax
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
-from tests.serving_helpers import call, free_port
+from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
+from tests.serving_helpers import call, serving
 
 pytestmark = pytest.mark.slow
 
-MAX_SEQ_LEN = 32
 MAX_INPUTS = 8
 MAX_BODY = 4096
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=MAX_SEQ_LEN, progress=False)
-    return out
+LIMITS = ["--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "--max-batch-size", "4",
+          "--batch-wait-ms", "100", "--max-ongoing", "4", "--max-queued", "4", "--threads", "1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def server(artifact, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    cmd = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--port", str(port),
-           "--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "--max-batch-size", "4",
-           "--batch-wait-ms", "100", "--max-ongoing", "4", "--max-queued", "4", "--threads", "1"]  # fmt: skip
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if call(url + "/readyz", timeout=5)[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"server not ready in 180 s:\n{log.read_text()[-3000:]}")
-    yield url, proc, log
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """(url, process, log) of a server with tight limits, for this module alone; its last test stops it."""
+    with serving(artifact, tmp_path_factory.mktemp("serve-log") / "server.log", *LIMITS) as served:
+        yield served.url, served.proc, served.log
 
 
 @pytest.fixture(scope="module")

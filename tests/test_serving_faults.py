@@ -4,7 +4,6 @@ the leader of its own group, as a terminal, systemd or a container runtime start
 serve, a stop must end with exit 0. Each test ends only the processes it started (by pid, found by the mark in their
 environment)."""
 
-import ipaddress
 import os
 import signal
 import subprocess
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.process.ports import port_holder
 from tests.serving_helpers import (
     MARK_ENV,
@@ -25,6 +23,7 @@ from tests.serving_helpers import (
     descendants,
     free_port,
     haproxy_config,
+    is_loopback,
     launch,
     new_mark,
 )
@@ -33,13 +32,6 @@ pytestmark = pytest.mark.slow
 
 BOUND_S = 30  # the targets are 5 s (port free) and 10 s (stopped, nothing left); room for a loaded 2-core machine
 TEXT = {"task": "rte", "inputs": ["a fine film"]}
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
-    return out
 
 
 @pytest.fixture
@@ -63,11 +55,6 @@ def _within(done: Callable[[], bool], bound_s: float = BOUND_S) -> float | None:
 
 def _left(pids: set[int]) -> list[bytes]:
     return [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in alive(pids)]
-
-
-def _loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip)
-    return address.is_loopback or (address.version == 6 and bool(address.ipv4_mapped and address.ipv4_mapped.is_loopback))
 
 
 def _haproxy(pid: int) -> int:
@@ -155,35 +142,29 @@ def test_a_group_signal_while_serving_stops_everything_and_exits_0(artifact, tmp
     assert not folder.exists()
 
 
-def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(artifact, tmp_path, marked):
+def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(shared_server):
     """--host 127.0.0.1 (the default) bound the replica's own gRPC server, HAProxy's gRPC target, on every interface
     (Serve writes "[::]:PORT"); it is on loopback now (the loopback shim, serving/process/loopback.py), and gRPC through
-    HAProxy still answers. The whole process tree: tests/test_loopback.py."""
+    HAProxy still answers. The whole process tree: tests/test_loopback.py. The server: the shared one (conftest.py)."""
     import grpc
     import psutil
 
     from fusionserve.serving.api import fusionserve_pb2 as pb
     from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 
-    _, env = marked
-    grpc_port = free_port()
-    served = launch(artifact, tmp_path / "serve.log", "--grpc-port", str(grpc_port), env=env)
-    try:
-        replica = next(p for p in descendants(served.proc.pid) if b"ServeReplica" in Path(f"/proc/{p}/cmdline").read_bytes())
-        environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{replica}/environ").read_bytes().split(b"\0") if b"=" in kv)
-        first, last = (
-            int(environ[k]) for k in (b"RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", b"RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT")
+    served = shared_server
+    replica = next(p for p in descendants(served.proc.pid) if b"ServeReplica" in Path(f"/proc/{p}/cmdline").read_bytes())
+    environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{replica}/environ").read_bytes().split(b"\0") if b"=" in kv)
+    first, last = (
+        int(environ[k]) for k in (b"RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", b"RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT")
+    )
+    listening = [c.laddr for c in psutil.Process(replica).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    own_grpc = [a for a in listening if first <= a.port <= last]
+    assert own_grpc and all(is_loopback(a.ip) for a in own_grpc), listening
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        answer = pb_grpc.ClassifierStub(channel).Classify(
+            pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="a fine film")]),
+            metadata=(("application", "fusionserve"),),
+            timeout=60,
         )
-        listening = [c.laddr for c in psutil.Process(replica).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-        own_grpc = [a for a in listening if first <= a.port <= last]
-        assert own_grpc and all(_loopback(a.ip) for a in own_grpc), listening
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            answer = pb_grpc.ClassifierStub(channel).Classify(
-                pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="a fine film")]),
-                metadata=(("application", "fusionserve"),),
-                timeout=60,
-            )
-        assert len(answer.predictions) == 1
-    finally:
-        served.proc.send_signal(signal.SIGTERM)
-        served.proc.wait(BOUND_S)
+    assert len(answer.predictions) == 1

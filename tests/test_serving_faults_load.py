@@ -7,11 +7,9 @@ killed server is left."""
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.process.ports import port_holder
 from tests.fault_helpers import CLIENTS, kill_haproxy, kill_raylet, kill_replica, processes, under_load
 from tests.serving_helpers import MARK_ENV, alive, carrying, free_port, launch, new_mark
@@ -19,13 +17,6 @@ from tests.serving_helpers import MARK_ENV, alive, carrying, free_port, launch, 
 pytestmark = pytest.mark.slow
 
 BOUND_S = 60  # time back to serving on a loaded 2-core machine (the targets, 5 s and the usual start time, are figures)
-
-
-@pytest.fixture(scope="module")
-def artifact(built_st, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("faults-load") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=32, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.process.routing import routed_replicas
 from fusionserve.serving.process.server import APP_NAME
 from tests.adapterhub_models import SENTENCES
@@ -22,10 +21,8 @@ def _post(url: str, body: dict) -> tuple[int, dict, str]:
         return resp.status, json.loads(resp.read()), resp.headers.get("x-fusionserve-replica", "")
 
 
-def test_two_replicas_both_serve(built_st, tmp_path):
-    art = tmp_path / "art"
-    export_artifact(built_st.spec, art, max_seq_len=32, progress=False)
-    with serving(art, tmp_path / "server.log", "--replicas", "2", "--threads", "1") as served:
+def test_two_replicas_both_serve(artifact, tmp_path):
+    with serving(artifact, tmp_path / "server.log", "--replicas", "2", "--threads", "1") as served:
         # said before the wait for HAProxy existed: the second replica joined 0.5-2 s after "serving", and under load
         # (CI) every request of the burst below went to the first
         assert routed_replicas(haproxy_config(served.proc.pid).parent.parent, APP_NAME) == 2

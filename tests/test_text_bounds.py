@@ -6,22 +6,15 @@ import asyncio
 import threading
 
 import numpy as np
-import pytest
 
 from fusionserve.serving.api.classify import Classifier, parse_json
 from fusionserve.serving.api.metrics import Metrics
 from fusionserve.serving.api.schemas import HTTPError, Limits
 from fusionserve.serving.model.predictions import TextInput
-from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.options import CHARS_PER_TOKEN_BUDGET
 from fusionserve.serving.scheduler.batching import BatchLimits, Scheduler
 
 HUGE = "word " * 180_000  # 900 KB
-
-
-@pytest.fixture
-def runner(artifacts) -> OnnxRunner:
-    return OnnxRunner(artifacts.fp32, threads=1, device="cpu")
 
 
 def test_a_long_text_is_cut_before_it_is_tokenized(runner):

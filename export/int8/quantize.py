@@ -6,10 +6,10 @@ the adapters' stacked down-projection and, in a graph whose fusion weights are c
 matrices — and the fused Attention's QKV projection (QAttention). Weights are int8 with one scale per output column
 (per-channel); activations uint8 computed at run time, with one scale and zero point per row (token) in the backbone's
 attention output and FFN GEMMs (``Int8Options.activations``, ``gemm_roles.ROW_ROLES``) and one per tensor in the rest.
-Measured on the default model with every such node quantized per tensor (benchmarks/int8.py, RESULTS.md): over the
-export grid per-tensor weight scales kept 83.1% of the labels (the gate asks 85%) against 91.2% per-channel; 7-bit
-weights (reduce_range) 90.4%; leaving the adapter path in fp32 changed nothing in the 11-task graph (91.2%). Per-row
-activations took the targets' test agreement from 97.33% / 97.75% to >= 99% (gemm_roles.py, RESULTS.md).
+Why per-channel weight scales, 8-bit weights and the adapter path in int8: per-tensor weight scales fall below the
+gate over the export grid, and 7-bit weights (reduce_range) or an fp32 adapter path do no better (benchmarks/int8.py;
+benchmarks/RESULTS.md, "int8 accuracy (default model)"). Why per-row activations: RESULTS.md, "int8 in every GEMM:
+smoothing and static QDQ (issue 28)".
 What stays fp32: the embeddings (a table lookup), every LayerNormalization and Softmax (the fusion weights among them:
 dynamic quantization has no int8 form of either), the MatMuls whose weights a task index selects at run time (a
 multi-task graph's fusion matrices: only constant weights can be quantized ahead of time), the classification

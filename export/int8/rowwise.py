@@ -16,15 +16,17 @@ Runtime's contrib operators (nothing custom), for ``Y = X W`` with X (..., K) an
 Wq is the int8 weight (K, N), one scale a column. ONNX Runtime's integer GEMMs take one zero point for the whole of
 A, so each row's own is subtracted inside the product instead: D (J, N) holds int8 rows whose column sums are minus
 Wq's, so Xz [Wq; D] = Xq Wq - z (1 Wq) = (Xq - z) Wq, exact in integers, and the row scale is the GEMM's own A scale
-(MatMulIntegerToFloat takes it per row as a (rows, 1) tensor). J is the largest column sum / 127: 15-56 rows against K =
-384 / 1536 in MiniLM's GEMMs, 26-68 against 768 / 3072 in BERT-base's (up to 15% more GEMM work where K is 384), and
-no pass over the (rows, N) output is added: the first form, which subtracted
-``z * column sums`` after the product and scaled the rows with Mul, spent 17% of MiniLM's batch-16 time in them.
+(MatMulIntegerToFloat takes it per row as a (rows, 1) tensor). J is the largest column sum / 127, a small fraction
+of K in MiniLM's and BERT-base's GEMMs (the counts: commit 6733b24), and no pass over the (rows, N) output is added:
+the first form, which subtracted ``z * column sums`` after the product and scaled the rows with Mul, spent a
+noticeable share of MiniLM's batch-16 time in them (commit 6733b24). Speed: benchmarks/RESULTS.md, "Latency: int8
+variants against fp32 (in-process, issue 28)".
 Asymmetric, not symmetric (one scale max|x| / 127 and zero point 128 for every row): the GELU output the FFN's
 second GEMM reads is almost all positive, and on the built-in model's target texts the asymmetric form moved the
-answers 20% less (mean largest probability change, benchmarks/RESULTS.md).
-uint8 activations, not int8 ones: ONNX Runtime's CPU kernels for int8 x int8 ran 6x slower than its uint8 x int8
-ones in a micro-benchmark here (a (2048, 1536) x (1536, 384) product: 83 ms against 14 ms).
+answers less (mean largest probability change: RESULTS.md, "int8 in every GEMM: smoothing and static QDQ (issue 28)",
+"Selection on dev + train texts").
+uint8 activations, not int8 ones: ONNX Runtime's CPU kernels for int8 x int8 ran several times slower than its
+uint8 x int8 ones in a micro-benchmark (commit 91672cb).
 On a CPU without VNNI (AVX2 only) ONNX Runtime's uint8 x int8 kernel sums pairs of products in 16 bits, which can
 saturate for large uint8 values: such a CPU should keep the per-tensor scales (``Int8Options.activations``), as
 ONNX Runtime advises 7-bit weights (reduce_range) for its dynamic quantization there.

@@ -1,5 +1,6 @@
-"""``fusionserve tasks``: add, replace and remove a target task of a live artifact (``export --live``) without
-re-tracing anything: the graph stays as it is and only the task tables beside it change (``live.py``).
+"""``fusionserve tasks add``: add or replace a target task of a live artifact (``export --live``) without re-tracing
+anything: the graph stays as it is and only the task tables beside it change (``tables.py``). ``tasks remove`` and
+what every change shares (the unchanged tasks' check, publishing) need no torch: ``publish.py``.
 
 A new or retrained task is folded over the artifact's own adapter stacks, from AdapterHub checkpoints and the
 export's base model and adapters (found through the spec the manifest records, checked against the manifest's
@@ -17,49 +18,30 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fusionserve.errors import FusionServeError
 from fusionserve.serving.model import revisions
-from fusionserve.serving.model.artifact import Artifact, load_artifact, sha256
+from fusionserve.serving.model.artifact import Artifact, sha256
 from fusionserve.serving.model.runtime import make_session
 from fusionserve.serving.model.tables import TaskTables, check_slices, table_specs
 
+from ..bf16 import Bf16Gate
 from ..build import build_model
 from ..checkpoint import load_fusion
-from ..int8.quantize import Int8Gate
-from ..model import FusionModel, HeadForm
+from ..grid import grid_inputs
+from ..int8.gate import GateReport, Int8Gate
+from ..model import OUTPUT, FusionModel
 from ..spec import ModelSpec, TaskSpec, load_spec
-from ..validate import TOLERANCES, grid_inputs
-from .tables import graph_tables, source_of, task_record, write_task_file
+from ..validate import max_diff, tolerances
+from .publish import MIXED_ROWS, TasksError, check_others, live_artifact, publish, run_tables, task_entries
+from .tables import graph_tables, live_heads, source_of, task_record, write_task_file
 
 _FEEDS = ("input_ids", "attention_mask", "token_type_ids")
-MIXED_ROWS = 16  # rows of the batches that mix the new task with others, and of the unchanged tasks' check
-
-
-class TasksError(FusionServeError):
-    """A ``tasks`` command refused: the artifact is not live, the name is taken or unknown, a check failed."""
-
-
-def _live(folder: Path) -> Artifact:
-    art = load_artifact(folder)
-    if art.revision is None:
-        raise TasksError(
-            f"{folder}: not a live artifact (its tasks are baked into {art.model_path.name}); export it again with --live"
-        )
-    return art
-
-
-def list_tasks(folder: str | Path) -> dict[str, Any]:
-    """The published revision's document. Raises ArtifactError / RevisionError / TasksError."""
-    folder = Path(folder).resolve()
-    art = _live(folder)
-    return revisions.read(folder, art.revision or 0)
 
 
 def _spec(art: Artifact, spec_path: str | Path | None) -> ModelSpec:
@@ -102,64 +84,78 @@ def _reference(art: Artifact, spec: ModelSpec, task: TaskSpec, src: TaskSpec) ->
     if task.adapter is not None and task.adapter not in art.adapters:
         raise TasksError(f"--adapter {task.adapter!r}: the artifact lacks it (it holds: {', '.join(art.adapters)})")
     model = build_model(replace(spec, tasks={task.name: src}), stacks=(art.adapters, art.manifest["adapters_per_layer"]))
-    live = art.manifest["live"]
-    want, form = HeadForm(**live["head_form"]), model.head_form()
+    info = model.infos[task.name]
+    level = info.level
+    if level not in (heads := live_heads(art.manifest["live"])):
+        raise TasksError(
+            f"{task.head}/head_config.json: a {info.head} head reads {'every token' if level == 'token' else 'the sequence'}"
+            f" ({OUTPUT[level]}); this artifact was exported without a {level}-level head, so its graph has no place for "
+            f"one: export it again with a {level}-level task among its tasks"
+        )
+    (want, width), form = heads[level], model.head_form(level)
     if form != want:
         raise TasksError(
-            f"{task.head}/head_config.json: the head has {form.describe()}; this artifact's heads have {want.describe()}"
+            f"{task.head}/head_config.json: the head has {form.describe()}; this artifact's {level}-level heads have "
+            f"{want.describe()}"
         )
-    labels = len(model.infos[task.name].labels)
-    if labels > live["logits_width"]:
+    labels = len(info.labels)
+    if labels > width:
         raise TasksError(
-            f"{task.head}/head_config.json: field 'config.num_labels' = {labels}: this artifact's logits hold at most "
-            f"{live['logits_width']} labels"
+            f"{task.head}/head_config.json: field 'config.num_labels' = {labels}: this artifact's {OUTPUT[level]} hold at "
+            f"most {width} labels"
         )
     return model
 
 
-def _run(session: Any, feeds: dict[str, np.ndarray], task_id: np.ndarray, tables: dict[str, np.ndarray]) -> list[np.ndarray]:
-    wanted = {i.name for i in session.get_inputs()}
-    feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-    return session.run(None, {**feed, **tables})
+def _gate_session(art: Artifact, session: Any) -> Any:
+    """The session a new task's answers are gated on: the artifact's graph as served (a bf16 artifact's: OpenVINO in
+    bf16), else ``session`` (ONNX Runtime's, which reads the tables and checks the other tasks)."""
+    if art.manifest["precision"] != "bf16":
+        return session
+    from fusionserve.serving.model.openvino_runtime import compile_graph
+
+    return compile_graph(art.model_path, "bf16", cache=False)
 
 
 def _gate_new(
     session: Any, model: FusionModel, art: Artifact, tables: dict[str, np.ndarray], index: int, n_tasks: int
 ) -> dict[str, Any]:
-    """The new task against its PyTorch reference: alone over the grid, and its rows in batches mixing every task.
-    Raises TasksError with the worst figures when it fails the artifact precision's gate."""
+    """The new task against its PyTorch reference: alone over the grid, and its rows in batches mixing every task; for
+    int8 what a caller reads of its head kind (``int8.gate.distributions``). Raises TasksError with the worst figures
+    when it fails the artifact precision's gate."""
     precision = art.manifest["precision"]
     name = next(iter(model.task_index))  # the model holds this one task
-    labels = len(model.infos[name].labels)
+    info = model.infos[name]
+    out, labels = OUTPUT[info.level], len(info.labels)
     vocab, max_len = model.backbone.vocab_size, art.max_seq_len
     runs = [(np.array([index]), case, None) for case in grid_inputs(vocab, max_len)]
     runs += [(ids, case, ids == index) for ids, case in _mixed(vocab, max_len, index, n_tasks)]
-    worst = {"logits": 0.0, "fusion_activations": 0.0}
-    rows = agree = 0
-    prob_change = 0.0
-    for task_id, (_, _, feeds), pick in runs:
-        got = _run(session, feeds, task_id, tables)
+    worst = {out: 0.0, "fusion_activations": 0.0}
+    int8 = GateReport(Int8Gate(**art.manifest["int8"]["gate"]["thresholds"]) if precision == "int8" else Int8Gate())
+    for task_id, (_, seq, feeds), pick in runs:
+        got = run_tables(session, feeds, task_id, tables)
         sel = slice(None) if pick is None else pick  # the reference runs the new task's rows only
         with torch.inference_mode():
-            want = model(*(torch.from_numpy(feeds[k][sel]) for k in _FEEDS), torch.zeros(1, dtype=torch.long))
-        real = feeds["attention_mask"][:, None, :, None].astype(bool)[sel]
-        a, b = got[0][sel, :labels].astype(np.float64), want[0][:, :labels].numpy().astype(np.float64)
-        worst["logits"] = max(worst["logits"], float(np.abs(a - b).max()))
-        acts = np.abs(got[1][sel] * real - want[1].numpy() * real)
-        worst["fusion_activations"] = max(worst["fusion_activations"], float(acts.max()) if acts.size else 0.0)
-        pa, pb = _softmax(a), _softmax(b)
-        rows += len(pa)
-        agree += int((pa.argmax(-1) == pb.argmax(-1)).sum())
-        prob_change = max(prob_change, float(np.abs(pa - pb).max()))
-    report = {"precision": precision, "cases": len(runs), "max_abs_diff": worst, "label_agreement": agree / rows}
-    report["max_probability_change"] = prob_change
+            ref = model(*(torch.from_numpy(feeds[k][sel]) for k in _FEEDS), torch.zeros(1, dtype=torch.long))
+        want = {k: v.numpy() for k, v in zip(model.outputs, ref, strict=True)}
+        real = feeds["attention_mask"][sel] == 1  # (rows, seq)
+        a, b = got[out][sel][..., :labels], want[out][..., :labels]
+        worst[out] = max(worst[out], max_diff(a, b, real[:, :, None] if info.level == "token" else np.True_))
+        acts = max_diff(got["fusion_activations"][sel], want["fusion_activations"], real[:, None, :, None])
+        worst["fusion_activations"] = max(worst["fusion_activations"], acts)
+        int8.add(info.head, b, a, real, f"sequence {seq}")
+    report = {"precision": precision, "head": info.head, "cases": len(runs), "max_abs_diff": worst, **_agreement(int8)}
     if precision == "int8":
-        gate = Int8Gate(**art.manifest["int8"]["gate"]["thresholds"])
-        report["gate"] = {"min_label_agreement": gate.min_label_agreement, "max_probability_change": gate.max_probability_change}
-        ok = agree / rows >= gate.min_label_agreement and prob_change <= gate.max_probability_change
+        report["gate"] = asdict(int8.gate)
+        ok = not int8.failures()
+    elif precision == "bf16":  # run by OpenVINO in bf16 (``bf16_session``): the export's gate, against PyTorch
+        bf16 = Bf16Gate(**art.manifest["bf16"]["gate"]["thresholds"])
+        report["gate"] = {"min_label_agreement": bf16.min_label_agreement, "max_logit_change": bf16.max_logit_change}
+        agreement = [report[k] for k in ("label_agreement", "correlation") if k in report]
+        ok = all(a >= bf16.min_label_agreement for a in agreement) and worst[out] <= bf16.max_logit_change
     else:
-        report["tolerance"] = TOLERANCES[precision]
-        ok = all(limit is None or worst[k] <= limit for k, limit in TOLERANCES[precision].items())
+        report["tolerance"] = tolerances(precision, (out, "fusion_activations"))
+        ok = all(limit is None or worst[k] <= limit for k, limit in report["tolerance"].items())
     if not ok:
         raise TasksError(
             f"task '{name}' does not match its PyTorch reference on the "
@@ -168,58 +164,23 @@ def _gate_new(
     return report
 
 
+def _agreement(report: GateReport) -> dict[str, Any]:
+    """The one head's agreement figures of ``report``: label agreement and probability change (its kind's units), or a
+    regression's correlation."""
+    if not report.heads:
+        return {"label_agreement": report.label_agreement, "max_probability_change": report.max_probability_change}
+    kind, figures = next(iter(report.heads.items()))
+    if kind == "regression":
+        return {"correlation": figures.correlation}
+    return {"label_agreement": figures.agreement, "max_probability_change": figures.max_probability_change}
+
+
 def _mixed(vocab: int, max_len: int, index: int, n_tasks: int) -> list[tuple[np.ndarray, Any]]:
     """Batches of ``MIXED_ROWS`` rows, every other one the new task's and the rest cycling through up to
     ``MIXED_ROWS // 2`` other tasks, at each grid length: bounded whatever the number of tasks."""
     others = [i for i in range(n_tasks) if i != index][: MIXED_ROWS // 2] or [index]
     ids = np.array([index if r % 2 == 0 else others[(r // 2) % len(others)] for r in range(MIXED_ROWS)], dtype=np.int64)
     return [(ids, case) for case in grid_inputs(vocab, max_len, seed=1, batch_sizes=(MIXED_ROWS,))]
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _check_others(
-    session: Any, art: Artifact, old: dict[str, np.ndarray], new: dict[str, np.ndarray], moved: dict[str, tuple[int, int]]
-) -> dict[str, Any]:
-    """Every unchanged task (name -> (old index, new index)) keeps its tables byte for byte, and answers bit for bit as
-    before: batches of ``MIXED_ROWS`` rows over the unchanged tasks, all of them across the batches, at each grid
-    length, before and after. Raises TasksError naming the first task that changed."""
-    if not moved:
-        return {"tasks": 0, "identical": True}
-    for name, (i, j) in moved.items():
-        if not all(np.array_equal(old[k][i], new[k][j]) for k in old):
-            raise TasksError(f"task '{name}' would change (its tables differ); nothing published")
-    names = list(moved)
-    vocab = int(art.manifest["base_model"]["vocab_size"])
-    cases = grid_inputs(vocab, art.max_seq_len, seed=2, batch_sizes=(MIXED_ROWS,))
-    runs = 0
-    for start in range(0, len(names), MIXED_ROWS * len(cases)):
-        for c, (_, seq, feeds) in enumerate(cases):
-            chunk = names[start + c * MIXED_ROWS : start + (c + 1) * MIXED_ROWS] or names[:MIXED_ROWS]
-            rows = [chunk[r % len(chunk)] for r in range(MIXED_ROWS)]
-            before = _run(session, feeds, np.array([moved[n][0] for n in rows]), old)
-            after = _run(session, feeds, np.array([moved[n][1] for n in rows]), new)
-            runs += 2
-            for out, what in ((0, "logits"), (1, "fusion_activations")):
-                same = np.all(before[out] == after[out], axis=tuple(range(1, before[out].ndim)))
-                if not same.all():
-                    bad = rows[int(np.argmin(same))]
-                    raise TasksError(f"task '{bad}' would answer differently ({what}, sequence {seq}); nothing published")
-    return {"tasks": len(names), "runs": runs, "identical": True}
-
-
-def _publish(
-    folder: Path, art: Artifact, tasks: dict[str, Any], change: dict[str, Any], checks: dict[str, Any]
-) -> dict[str, Any]:
-    """Write the revision after the newest one written (published or not), then move the pointer to it."""
-    number = max([*revisions.numbers(folder), art.revision or 0]) + 1
-    doc = {"revision": number, "parent": art.revision, "change": change, "tasks": tasks, "checks": checks}
-    revisions.write(folder, doc)
-    revisions.publish(folder, number)
-    return revisions.read(folder, number)
 
 
 def add_task(
@@ -231,7 +192,7 @@ def add_task(
     folder = Path(folder).resolve()
     started = time.perf_counter()
     with revisions.TasksLock(folder):
-        art = _live(folder)
+        art = live_artifact(folder)
         taken = task.name in art.tasks
         if taken and not replace_existing:
             raise TasksError(f"task '{task.name}' exists (revision {art.revision}); pass --replace to swap its weights")
@@ -242,7 +203,7 @@ def add_task(
         model = _reference(art, spec, task, src)
         session = make_session(art.model_path, spin=False, device="cpu")  # no busy-waiting beside torch
         specs = table_specs(session)
-        slices = graph_tables(model, specs, art.manifest["live"]["logits_width"])[0]
+        slices = graph_tables(model, specs, live_heads(art.manifest["live"]))[0]
         check_slices(slices, specs, f"task '{task.name}'")
         old = TaskTables(folder, specs, verify=False).load(art)  # served files: each server checks them as it loads
         order = sorted(art.tasks, key=lambda n: art.tasks[n].index)
@@ -251,41 +212,11 @@ def add_task(
         if taken:
             for k in new:
                 new[k][index] = slices[k]
-        gate = _gate_new(session, model, art, new, index, len(order) + (not taken))
+        gate = _gate_new(_gate_session(art, session), model, art, new, index, len(order) + (not taken))
         moved = {n: (art.tasks[n].index, art.tasks[n].index) for n in order if n != task.name}
-        others = _check_others(session, art, old, new, moved)
+        others = check_others(session, art, old, new, moved)
         file, digest = write_task_file(folder, task.name, slices)
         record = task_record(model, task.name, index, file, digest, source_of(replace(spec, tasks={task.name: src}), task.name))
-        tasks = {**_entries(folder, art), task.name: record}
+        tasks = {**task_entries(folder, art), task.name: record}
         change = {"op": "replace" if taken else "add", "task": task.name, "seconds": round(time.perf_counter() - started, 2)}
-        return _publish(folder, art, tasks, change, {"task": gate, "others": others})
-
-
-def remove_task(folder: str | Path, name: str) -> dict[str, Any]:
-    """Remove task ``name`` from a live artifact as a new published revision; returns its document. The other tasks
-    keep their order (their indices close up) and are checked unchanged. Raises TasksError (unknown task, the last
-    task), ArtifactError or RevisionError."""
-    folder = Path(folder).resolve()
-    started = time.perf_counter()
-    with revisions.TasksLock(folder):
-        art = _live(folder)
-        if name not in art.tasks:
-            raise TasksError(f"no task '{name}' to remove; tasks: {', '.join(art.tasks)}")
-        if len(art.tasks) == 1:
-            raise TasksError(f"task '{name}' is the artifact's last task; an artifact serves at least one")
-        session = make_session(art.model_path, spin=False, device="cpu")  # no busy-waiting beside torch
-        specs = table_specs(session)
-        old = TaskTables(folder, specs, verify=False).load(art)
-        order = [n for n in sorted(art.tasks, key=lambda n: art.tasks[n].index) if n != name]
-        keep = [art.tasks[n].index for n in order]
-        new = {k: np.ascontiguousarray(v[keep]) for k, v in old.items()}
-        moved = {n: (art.tasks[n].index, i) for i, n in enumerate(order)}
-        others = _check_others(session, art, old, new, moved)
-        entries = _entries(folder, art)
-        tasks = {n: {**entries[n], "index": i} for i, n in enumerate(order)}
-        change = {"op": "remove", "task": name, "seconds": round(time.perf_counter() - started, 2)}
-        return _publish(folder, art, tasks, change, {"others": others})
-
-
-def _entries(folder: Path, art: Artifact) -> dict[str, Any]:
-    return dict(revisions.read(folder, art.revision or 0)["tasks"])
+        return publish(folder, art, tasks, change, {"task": gate, "others": others})

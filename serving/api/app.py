@@ -26,17 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fusionserve import __version__
 
 from ..model import revisions
-from ..model.artifact import MANIFEST, ArtifactError, check_task, load_artifact, sha256
-from ..model.predictions import TextInput
+from ..model.artifact import MANIFEST, ArtifactError, load_artifact, sha256
+from ..model.heads import head, probe
 from ..model.runtime import OnnxRunner
 from ..options import bounded
 from ..scheduler.batching import BatchLimits, BatchStats, Scheduler
 from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
-from .classify import Classifier, log, log_unexpected, parse_json
+from .classify import Classifier, describe_tasks, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc, record_call_deadlines
 from .metrics import METRICS_ENV, Metrics
-from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse
-from .tei import predictions, read_request
+from .schemas import JSON as _JSON
+from .schemas import TIMEOUT_HEADER, ClassifyRequest, ClassifyResponse, HTTPError, Limits, MultiTaskResponse, check_media
+from .tei import check_default_task, predictions, read_request, unsupported
 
 app = FastAPI(
     title="fusionserve",
@@ -47,7 +48,6 @@ app = FastAPI(
 )
 # no 307 to the path without its trailing slash: Starlette builds that redirect from the request's Host header
 app.router.redirect_slashes = False
-_JSON = "application/json"
 _READY_EVERY_S = 5.0
 _REVISION_POLL_S = 0.25  # how often a replica of a live artifact stats its revision pointer
 _replica: "FusionServe | None" = None  # this process's replica (Serve runs one per process): the fast path's target
@@ -153,20 +153,6 @@ def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None
     return Response(orjson.dumps(payload), status, headers, media_type=_JSON)
 
 
-def _check_media(content_type: str | None, encoding: str | None) -> None:
-    """A body must say it is JSON, uncompressed: a ``text/plain`` or form POST is what a cross-site page may send
-    without a CORS preflight, and a compressed body would only fail later as "not valid JSON". Raises HTTPError 415."""
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media != _JSON and not (media.startswith("application/") and media.endswith("+json")):
-        raise HTTPError(
-            415, "unsupported_media_type", f"Content-Type {content_type or '(none)'!r:.100} is not supported; send {_JSON}"
-        )
-    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-        raise HTTPError(
-            415, "unsupported_media_type", f"Content-Encoding {encoding!r:.100} is not supported; send the body uncompressed"
-        )
-
-
 def _where() -> dict[str, str]:
     """This replica's Serve id and its Ray node (sent back as ``x-fusionserve-replica`` and ``x-fusionserve-node``, so
     load spread over replicas and nodes is visible)."""
@@ -209,8 +195,7 @@ class FusionServe:
         # the keys from this process's own environment (never an argument: see serving/api/auth.py); none set: refused
         self.keys = KeyCheck.from_env(api_key_env) if api_key_env else None
         self.open_metrics = open_metrics
-        if default_task is not None:
-            check_task(artifact, default_task, "default_task")
+        check_default_task(artifact, default_task)
         self.default_task = default_task
         if os.environ.get(METRICS_ENV):  # each node's replicas pool their samples in their own copy
             os.makedirs(os.environ[METRICS_ENV], exist_ok=True)
@@ -297,17 +282,8 @@ class FusionServe:
 
     @app.get("/v1/tasks")
     async def tasks(self) -> Response:
-        """Served tasks with their labels and adapters, the limits, and (a live artifact) the revision served."""
-        artifact = self.runner.artifact
-        body = {
-            "revision": artifact.revision,
-            "max_seq_len": artifact.max_seq_len,
-            "max_inputs_per_request": self.limits.max_inputs,
-            "tasks": {
-                n: {"kind": t.kind, "labels": list(t.labels), "adapters": list(t.adapters)} for n, t in artifact.tasks.items()
-            },
-        }
-        return _json(body, headers=self._headers)
+        """Served tasks with their heads, labels and adapters, the limits, and (a live artifact) the revision served."""
+        return _json(describe_tasks(self.runner.artifact, self.limits), headers=self._headers)
 
     @app.get("/healthz")
     async def healthz(self) -> dict[str, str]:
@@ -318,9 +294,9 @@ class FusionServe:
     async def readyz(self) -> Response:
         """The model answers a real request (checked at most every 5 s)."""
         if time.monotonic() - self._ready_at > _READY_EVERY_S:
-            task = next(iter(self.runner.artifact.tasks))
+            entry = next(iter(self.runner.artifact.tasks.values()))
             try:
-                await self.scheduler.submit(task, (TextInput("ready"),))
+                await self.scheduler.submit(entry.name, (probe(head(entry)),))
             except Exception as exc:  # any failure of the model path means not ready; say which
                 return _json({"status": "not ready", "error": bounded(f"{type(exc).__name__}: {exc}")}, 503)
             self._ready_at = time.monotonic()
@@ -355,6 +331,10 @@ class FusionServe:
         task = self.default_task
         if task is None:
             return _error(404, "not_found", f"POST {route}: this server has no default task (start it with --default-task TASK)")
+        entry = self.runner.artifact.tasks.get(task)  # gone (a live revision removed it): the classify path says 404
+        refusal = entry and unsupported(task, head(entry))
+        if refusal:
+            return _error(422, "unsupported_task", refusal)
         shape: dict[str, Any] = {}
 
         async def read() -> ClassifyRequest:
@@ -368,7 +348,7 @@ class FusionServe:
         return _json(preds if nested or shape["batch"] else preds[0], headers=self._headers)
 
     async def _read_body(self, request: Request) -> bytes:
-        _check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))
+        check_media(request.headers.get("content-type"), request.headers.get("content-encoding"))
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:

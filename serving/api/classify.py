@@ -11,15 +11,21 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
+from fusionserve.errors import InputError
+
+from ..model import heads
 from ..model.artifact import Artifact, TaskEntry
-from ..model.predictions import TextInput, label_logits, label_scores
+from ..model.heads import HeadOptions
+from ..model.predictions import ChoiceInput, Input, TextInput, read_input
 from ..model.tokenize import Encoder
-from ..scheduler.batching import DeadlineExceeded, Overloaded, Scheduler, TaskResult, TooManyTokens
+from ..options import MAX_CHOICES
+from ..scheduler.batching import DeadlineExceeded, Overloaded, Scheduler, TooManyRows, TooManyTokens
+from ..scheduler.results import JobResult, TaskResult
 from .metrics import Metrics
 from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error, timeout_header
 
@@ -57,9 +63,17 @@ def _invalid(exc: ValidationError) -> HTTPError:
     return HTTPError(422, "invalid_request", describe_validation_error(exc))
 
 
-def _refusal(exc: HTTPError | Overloaded | TooManyTokens) -> HTTPError:
+def _refusal(exc: HTTPError | Overloaded | TooManyTokens | TooManyRows | InputError) -> HTTPError:
+    if isinstance(exc, InputError):  # found while its rows were made (a question longer than a window holds)
+        return HTTPError(422, "invalid_input", str(exc))
     if isinstance(exc, Overloaded):
         return HTTPError(503, "overloaded", f"the replica's queue is full: {exc}; retry later")
+    if isinstance(exc, TooManyRows):
+        many = ", ".join(f"inputs[{i}] makes {n}" for i, n in enumerate(exc.rows) if n > 1)
+        return HTTPError(
+            413, "too_many_inputs", f"the request makes {exc.total} rows ({many or 'one per input'}; a choice or a window "
+            f"of a long context is a row); the limit is {exc.limit}",
+        )  # fmt: skip
     if isinstance(exc, TooManyTokens):
         where = ", ".join(f"inputs[{i}] has {n}{'+' if cut else ''}" for i, n, cut in exc.over[:5])
         return HTTPError(413, "too_many_tokens", f"{where} tokens; the limit is {exc.limit} (strict mode)")
@@ -67,20 +81,46 @@ def _refusal(exc: HTTPError | Overloaded | TooManyTokens) -> HTTPError:
 
 
 def answer(
-    task: str, entry: TaskEntry, result: TaskResult, truncated: list[bool], with_acts: bool, raw: bool = False
+    entry: TaskEntry,
+    inputs: Sequence[Input],
+    result: TaskResult,
+    with_acts: bool,
+    raw: bool = False,
+    options: HeadOptions | None = None,
 ) -> dict[str, Any]:
-    """One task's answer as plain data (the JSON body; gRPC copies it into its message); ``raw``: logits, unrounded,
-    instead of rounded probabilities."""
-    scored = (label_logits if raw else label_scores)(entry.labels, result.logits)
+    """One task's answer as plain data (the JSON body; gRPC copies it into its message), each prediction shaped by the
+    task's head (``heads.answer``); ``raw``: logits, unrounded, instead of rounded probabilities."""
+    options = options or HeadOptions()
     preds = [
-        {"label": label, "score": score, "scores": scores, "truncated": bool(cut)}
-        for (label, score, scores), cut in zip(scored, truncated, strict=True)
+        heads.answer(entry, inp, unit, outputs, options, raw)
+        for inp, unit, outputs in zip(inputs, result.units, result.outputs, strict=True)
     ]
-    out: dict[str, Any] = {"task": task, "predictions": preds}
+    out: dict[str, Any] = {"task": entry.name, "predictions": preds}
     if with_acts and result.activations is not None:
         values = [[[round(v, 6) for v in row] for row in per] for per in result.activations.tolist()]
         out["fusion_activations"] = {"adapters": list(entry.adapters), "values": values}
     return out
+
+
+def describe_tasks(artifact: Artifact, limits: Limits) -> dict[str, Any]:
+    """GET /v1/tasks: every task with its head (kind, labels, the input it takes, the options it reads), the limits,
+    and (a live artifact) the revision served."""
+    tasks = {}
+    for name, t in artifact.tasks.items():
+        kind = heads.head(t)
+        about: dict[str, Any] = {"kind": t.kind, "head": kind, "labels": list(t.labels), "adapters": list(t.adapters)}
+        about["input"] = list(heads.INPUT_FIELDS[kind])
+        about["options"] = list(heads.OPTIONS_READ.get(kind, ()))
+        if getattr(t, "num_choices", None):  # the count AdapterHub trained with: information, not a limit
+            about["num_choices"] = t.num_choices
+        tasks[name] = about
+    return {
+        "revision": artifact.revision,
+        "max_seq_len": artifact.max_seq_len,
+        "max_inputs_per_request": limits.max_inputs,
+        "max_choices": MAX_CHOICES,
+        "tasks": tasks,
+    }
 
 
 class Classifier:
@@ -117,8 +157,7 @@ class Classifier:
             served = self.scheduler.runner.served  # the revision this request is checked against and answered from
             entries = self._tasks(req.task_names, served.artifact)
             task = req.task_names[0] if req.task is not None else "multi"
-            inputs = tuple(TextInput(i) if isinstance(i, str) else TextInput(i.text, i.text_pair) for i in req.inputs)
-            self._check(req, inputs, entries)
+            inputs, options = self._check(req, entries)
             if req.timeout_ms is not None:
                 limits_ms.append(req.timeout_ms)
             deadline = min([d for d in (deadline,) if d is not None] + [arrived + ms / 1000 for ms in limits_ms], default=None)
@@ -129,9 +168,10 @@ class Classifier:
                 truncation=req.truncation_direction,
                 deadline=deadline,
                 served=served,
+                options=options,
+                max_rows=self.limits.max_inputs,
             )
-            acts, raw = req.return_fusion_activations, req.raw_scores
-            answers = [answer(e.name, e, result.tasks[e.name], result.truncated, acts, raw) for e in entries]
+            answers = await _answers(req, entries, inputs, result, options)
             self.stats.observe_request(task, 200, time.perf_counter() - started, result.queue_ms)
             return answers[0] if req.task is not None else {"results": answers}
         except DeadlineExceeded as exc:
@@ -142,7 +182,7 @@ class Classifier:
             self.stats.observe_dropped("client_disconnected")
             self.stats.observe_request(task, 499, time.perf_counter() - started)
             raise
-        except (HTTPError, Overloaded, TooManyTokens) as exc:
+        except (HTTPError, Overloaded, TooManyTokens, TooManyRows, InputError) as exc:
             err = _refusal(exc)
             self.stats.observe_rejected(err.reason)
             self.stats.observe_request(task, err.status, time.perf_counter() - started)
@@ -161,12 +201,31 @@ class Classifier:
             raise HTTPError(404, "unknown_task", f"{what}; known tasks: {', '.join(artifact.tasks)}")
         return [artifact.tasks[t] for t in names]
 
-    def _check(self, req: ClassifyRequest, inputs: tuple[TextInput, ...], entries: list[TaskEntry]) -> None:
-        """The limits and what the tasks allow, before anything is queued."""
-        rows, limit = len(inputs) * len(entries), self.limits.max_inputs
+    def _check(self, req: ClassifyRequest, entries: list[TaskEntry]) -> tuple[tuple[Input, ...], HeadOptions]:
+        """The limits and what the tasks allow, before anything is queued: the inputs and the heads' options, read.
+        A request's rows are its inputs x tasks, a choice and a window each one row: counted here as far as they
+        are known before tokenizing (a question-answering input as one row; its windows, once cut, by the scheduler)."""
+        inputs = tuple(_read_input(i, k) for k, i in enumerate(req.inputs))
+        per_input = [len(i.choices) if isinstance(i, ChoiceInput) else 1 for i in inputs]
+        rows, limit = sum(per_input) * len(entries), self.limits.max_inputs
         if rows > limit:
-            what = f"{len(inputs)} inputs" if len(entries) == 1 else f"{len(inputs)} inputs x {len(entries)} tasks = {rows}"
+            what = f"{len(inputs)} inputs" if len(entries) == 1 else f"{len(inputs)} inputs x {len(entries)} tasks"
+            if rows != len(inputs) * len(entries):
+                what += f" making {rows} rows (a choice is a row)"
+            elif len(entries) > 1:
+                what += f" = {rows}"
             raise HTTPError(413, "too_many_inputs", f"{what} in one request; the limit is {limit}")
+        for k, inp in enumerate(inputs):
+            for e in entries:
+                try:
+                    heads.check_input(e, inp)
+                except InputError as exc:
+                    raise HTTPError(422, "invalid_input", f"inputs[{k}]: {exc}") from None
+        try:
+            options = req.head_options()
+            options.check(entries, req.raw_scores, self.encoder.max_length)
+        except InputError as exc:
+            raise HTTPError(422, "invalid_option", str(exc)) from None
         plain = [e for e in entries if e.kind != "fusion"]
         if req.return_fusion_activations and plain:
             raise HTTPError(
@@ -174,3 +233,27 @@ class Classifier:
                 "no_fusion",
                 f"task '{plain[0].name}' has no fusion layer ({plain[0].kind} task); there are no fusion activations",
             )
+        return inputs, options
+
+
+async def _answers(
+    req: ClassifyRequest, entries: list[TaskEntry], inputs: Sequence[Input], result: JobResult, options: HeadOptions
+) -> list[dict[str, Any]]:
+    """Every task's answer. A token-level head's (word pieces, entities, spans over windows) is Python work per token:
+    made off the event loop, which goes on taking requests meanwhile; a sequence-level one costs less than the hop."""
+
+    def make() -> list[dict[str, Any]]:
+        return [answer(e, inputs, result.tasks[e.name], req.return_fusion_activations, req.raw_scores, options) for e in entries]
+
+    if any(e.level == "token" for e in entries):
+        return await asyncio.get_running_loop().run_in_executor(None, make)
+    return make()
+
+
+def _read_input(item: Any, k: int) -> Input:
+    """A validated request input (a text, or one of the objects) as the input its head reads; raises HTTPError 422
+    ``invalid_input`` naming it and what is wrong."""
+    try:
+        return TextInput(item) if isinstance(item, str) else read_input(item.model_dump(exclude_none=True))
+    except InputError as exc:
+        raise HTTPError(422, "invalid_input", f"inputs[{k}]: {exc}") from None

@@ -24,25 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)fusionserve/serving/api/fusionserve.proto\x12\x0e\x66usionserve.v1\";\n\x05Input\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\ttext_pair\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_text_pair\"\xe2\x01\n\x0f\x43lassifyRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.fusionserve.v1.Input\x12!\n\x19return_fusion_activations\x18\x03 \x01(\x08\x12\x0e\n\x06strict\x18\x04 \x01(\x08\x12\r\n\x05tasks\x18\x05 \x03(\t\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x1c\n\x14truncation_direction\x18\x07 \x01(\t\x12\x17\n\ntimeout_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_timeout_ms\"M\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06scores\x18\x03 \x03(\x01\x12\x11\n\ttruncated\x18\x04 \x01(\x08\"E\n\x11\x46usionActivations\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x01\"\x9a\x01\n\nTaskAnswer\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\"\xcd\x01\n\x10\x43lassifyResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\x12+\n\x07results\x18\x05 \x03(\x0b\x32\x1a.fusionserve.v1.TaskAnswer2[\n\nClassifier\x12M\n\x08\x43lassify\x12\x1f.fusionserve.v1.ClassifyRequest\x1a .fusionserve.v1.ClassifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)fusionserve/serving/api/fusionserve.proto\x12\x0e\x66usionserve.v1\"\x92\x01\n\x05Input\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x16\n\ttext_pair\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\x12\x15\n\x08question\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07\x63ontext\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x0c\n\n_text_pairB\x0b\n\t_questionB\n\n\x08_context\"\xd8\x03\n\x0f\x43lassifyRequest\x12\x0c\n\x04task\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.fusionserve.v1.Input\x12!\n\x19return_fusion_activations\x18\x03 \x01(\x08\x12\x0e\n\x06strict\x18\x04 \x01(\x08\x12\r\n\x05tasks\x18\x05 \x03(\t\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x1c\n\x14truncation_direction\x18\x07 \x01(\t\x12\x17\n\ntimeout_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x12!\n\x14\x61ggregation_strategy\x18\t \x01(\tH\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\n \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0emax_answer_len\x18\x0b \x01(\rH\x03\x88\x01\x01\x12%\n\x18handle_impossible_answer\x18\x0c \x01(\x08H\x04\x88\x01\x01\x12\x17\n\ndoc_stride\x18\r \x01(\rH\x05\x88\x01\x01\x42\r\n\x0b_timeout_msB\x17\n\x15_aggregation_strategyB\x08\n\x06_top_kB\x11\n\x0f_max_answer_lenB\x1b\n\x19_handle_impossible_answerB\r\n\x0b_doc_stride\"\xd7\x01\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0e\n\x06scores\x18\x03 \x03(\x01\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12\x0e\n\x06\x63hoice\x18\x05 \x01(\r\x12%\n\x06tokens\x18\x06 \x03(\x0b\x32\x15.fusionserve.v1.Token\x12(\n\x08\x65ntities\x18\x07 \x03(\x0b\x32\x16.fusionserve.v1.Entity\x12\'\n\x07\x61nswers\x18\x08 \x03(\x0b\x32\x16.fusionserve.v1.Answer\"o\n\x05Token\x12\x0e\n\x06\x65ntity\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04word\x18\x04 \x01(\t\x12\r\n\x05start\x18\x05 \x01(\r\x12\x0b\n\x03\x65nd\x18\x06 \x01(\r\x12\x0e\n\x06scores\x18\x07 \x03(\x01\"W\n\x06\x45ntity\x12\x14\n\x0c\x65ntity_group\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0c\n\x04word\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0b\n\x03\x65nd\x18\x05 \x01(\r\"C\n\x06\x41nswer\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\"E\n\x11\x46usionActivations\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x03(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x01\"\x9a\x01\n\nTaskAnswer\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\"\xcd\x01\n\x10\x43lassifyResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12/\n\x0bpredictions\x18\x03 \x03(\x0b\x32\x1a.fusionserve.v1.Prediction\x12=\n\x12\x66usion_activations\x18\x04 \x01(\x0b\x32!.fusionserve.v1.FusionActivations\x12+\n\x07results\x18\x05 \x03(\x0b\x32\x1a.fusionserve.v1.TaskAnswer2[\n\nClassifier\x12M\n\x08\x43lassify\x12\x1f.fusionserve.v1.ClassifyRequest\x1a .fusionserve.v1.ClassifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fusionserve.serving.api.fusionserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INPUT']._serialized_start=61
-  _globals['_INPUT']._serialized_end=120
-  _globals['_CLASSIFYREQUEST']._serialized_start=123
-  _globals['_CLASSIFYREQUEST']._serialized_end=349
-  _globals['_PREDICTION']._serialized_start=351
-  _globals['_PREDICTION']._serialized_end=428
-  _globals['_FUSIONACTIVATIONS']._serialized_start=430
-  _globals['_FUSIONACTIVATIONS']._serialized_end=499
-  _globals['_TASKANSWER']._serialized_start=502
-  _globals['_TASKANSWER']._serialized_end=656
-  _globals['_CLASSIFYRESPONSE']._serialized_start=659
-  _globals['_CLASSIFYRESPONSE']._serialized_end=864
-  _globals['_CLASSIFIER']._serialized_start=866
-  _globals['_CLASSIFIER']._serialized_end=957
+  _globals['_INPUT']._serialized_start=62
+  _globals['_INPUT']._serialized_end=208
+  _globals['_CLASSIFYREQUEST']._serialized_start=211
+  _globals['_CLASSIFYREQUEST']._serialized_end=683
+  _globals['_PREDICTION']._serialized_start=686
+  _globals['_PREDICTION']._serialized_end=901
+  _globals['_TOKEN']._serialized_start=903
+  _globals['_TOKEN']._serialized_end=1014
+  _globals['_ENTITY']._serialized_start=1016
+  _globals['_ENTITY']._serialized_end=1103
+  _globals['_ANSWER']._serialized_start=1105
+  _globals['_ANSWER']._serialized_end=1172
+  _globals['_FUSIONACTIVATIONS']._serialized_start=1174
+  _globals['_FUSIONACTIVATIONS']._serialized_end=1243
+  _globals['_TASKANSWER']._serialized_start=1246
+  _globals['_TASKANSWER']._serialized_end=1400
+  _globals['_CLASSIFYRESPONSE']._serialized_start=1403
+  _globals['_CLASSIFYRESPONSE']._serialized_end=1608
+  _globals['_CLASSIFIER']._serialized_start=1610
+  _globals['_CLASSIFIER']._serialized_end=1701
 # @@protoc_insertion_point(module_scope)

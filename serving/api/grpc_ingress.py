@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .. import private
+from ..model.heads import QA_OPTIONS
 from ..private import GRPC_MESSAGE_SIZE_ENV, serve_env
 from . import fusionserve_pb2 as pb
 from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
@@ -71,16 +72,28 @@ def grpc_code(status: int) -> grpc.StatusCode:
     return STATUS_CODES.get(status, grpc.StatusCode.INTERNAL)
 
 
+def _input(i: pb.Input) -> Any:
+    """One input message as a JSON body's input: a question-answering object when it has a question or a context, a
+    multiple-choice one when it has choices, a pair, or a plain text (a field the shape does not have, when set, is
+    passed on and refused by name, as over HTTP)."""
+    if i.HasField("question") or i.HasField("context"):
+        qa = {k: getattr(i, k) for k in ("question", "context", "text_pair") if i.HasField(k)}
+        return qa | ({"text": i.text} if i.text else {}) | ({"choices": list(i.choices)} if i.choices else {})
+    if i.choices:
+        return {"text": i.text, "choices": list(i.choices)} | ({"text_pair": i.text_pair} if i.HasField("text_pair") else {})
+    return {"text": i.text, "text_pair": i.text_pair} if i.HasField("text_pair") else i.text
+
+
 def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
     """The message as the fields of a JSON body: an input without a pair is a plain text; an empty ``task`` or
     ``tasks`` is left out, as a JSON body would leave it out (giving neither, or both, is refused as over HTTP)."""
-    inputs: list[Any] = [{"text": i.text, "text_pair": i.text_pair} if i.HasField("text_pair") else i.text for i in msg.inputs]
-    fields: dict[str, Any] = {"inputs": inputs, "return_fusion_activations": msg.return_fusion_activations, "strict": msg.strict,
-                              "raw_scores": msg.raw_scores}  # fmt: skip
+    fields: dict[str, Any] = {"inputs": [_input(i) for i in msg.inputs], "return_fusion_activations": msg.return_fusion_activations,
+                              "strict": msg.strict, "raw_scores": msg.raw_scores}  # fmt: skip
     if msg.truncation_direction:
         fields["truncation_direction"] = msg.truncation_direction
-    if msg.HasField("timeout_ms"):
-        fields["timeout_ms"] = msg.timeout_ms
+    for name in ("timeout_ms", "aggregation_strategy", *QA_OPTIONS):
+        if msg.HasField(name):
+            fields[name] = getattr(msg, name)
     if msg.task:
         fields["task"] = msg.task
     if msg.tasks:
@@ -88,18 +101,43 @@ def request_fields(msg: pb.ClassifyRequest) -> dict[str, Any]:
     return fields
 
 
+def _labels(preds: list[Any]) -> tuple[str, ...]:
+    """The labels the answer's scores are keyed by, in the task's order (a classification prediction's scores, or with
+    raw_scores a tagged token's); none for the heads whose scores are not per label."""
+    for p in preds[:1]:
+        if isinstance(p, dict) and isinstance(p.get("scores"), dict):
+            return tuple(p["scores"])
+        tokens = p.get("tokens") if isinstance(p, dict) else None
+        if tokens and "scores" in tokens[0]:
+            return tuple(tokens[0]["scores"])
+    return ()
+
+
+def _prediction(p: Any, labels: tuple[str, ...]) -> pb.Prediction:
+    """One prediction (``heads.answer``'s data, a list of answers for top_k > 1) as the message."""
+    if isinstance(p, list) or "answer" in p:
+        return pb.Prediction(answers=[pb.Answer(**a) for a in (p if isinstance(p, list) else [p])])
+    out = pb.Prediction(truncated=p["truncated"], score=p.get("score", 0.0), label=p.get("label", ""), choice=p.get("choice", 0))
+    scores = p.get("scores")
+    out.scores.extend([scores[lab] for lab in labels] if isinstance(scores, dict) else scores or [])
+    for t in p.get("tokens") or ():
+        out.tokens.add(
+            **{k: v for k, v in t.items() if k != "scores"}, scores=[t["scores"][lab] for lab in labels] if "scores" in t else []
+        )
+    for e in p.get("entities") or ():
+        out.entities.add(**e)
+    return out
+
+
 def _fill(out: pb.ClassifyResponse | pb.TaskAnswer, answer: dict[str, Any]) -> None:
     """One task's answer (classify.answer's data) into ``out``. The labels are the answer's own (the keys of its
     scores, in the task's order): a lookup in the revision served after the answer could miss a task removed or
     replaced meanwhile."""
     preds = answer["predictions"]
-    labels = tuple(preds[0]["scores"]) if preds else ()
+    labels = _labels(preds)
     out.task = answer["task"]
     out.labels.extend(labels)
-    for p in preds:
-        out.predictions.add(
-            label=p["label"], score=p["score"], scores=[p["scores"][lab] for lab in labels], truncated=p["truncated"]
-        )
+    out.predictions.extend(_prediction(p, labels) for p in preds)
     acts = answer.get("fusion_activations")
     if acts is not None:
         values = acts["values"]  # per input, per layer, per adapter

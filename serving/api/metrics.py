@@ -93,7 +93,10 @@ class Metrics:
             buckets=_TASK_BUCKETS,
             registry=r,
         )
-        self.inputs = Counter("fusionserve_inputs_total", "Inputs classified", ["task"], registry=r)
+        self.inputs = Counter(
+            "fusionserve_inputs_total", "Rows the model ran: an input, a choice of a multiple-choice input, a window of a QA context",
+            ["task"], registry=r,
+        )  # fmt: skip
         self.truncated = Counter("fusionserve_truncated_inputs_total", "Inputs cut to the token limit", ["task"], registry=r)
         self.rejected = Counter(
             "fusionserve_rejected_requests_total", "Requests refused before the model, by reason", ["reason"], registry=r

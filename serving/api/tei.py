@@ -13,6 +13,11 @@ limit (413, as ``"strict": true``); left out, the input is cut, as on /v1/classi
 Answers: each input's ``[{"label", "score"}, ...]`` sorted by score, highest first. ``POST /predict`` answers as TEI:
 that list for one text or pair, a list of such lists for a batch. ``POST /`` answers as the Inference API: always a
 list of lists, one per input (what ``huggingface_hub.InferenceClient(url).text_classification`` reads).
+
+Both answer text classification only, as TEI's /predict does (TEI has no token classification or question answering):
+a ``--default-task`` whose head is another kind (regression, multiple choice, tagging, question answering) is refused
+when the server starts, and, should a live revision give the default task another head, each call is answered 422
+``unsupported_task``, pointing at POST /v1/classify, which answers every kind.
 """
 
 from __future__ import annotations
@@ -22,11 +27,36 @@ from typing import Any
 
 import orjson
 
+from fusionserve.errors import FusionServeError
+
+from ..model.artifact import Artifact, check_task
+from ..model.heads import CLASSIFICATION, head
 from .classify import parse_fields
 from .schemas import ClassifyRequest, HTTPError, describe_json_error
 
 _OPTIONS = ("raw_scores", "truncate", "truncation_direction", "timeout_ms")
 _FUNCTIONS = ("softmax", "sigmoid", "none")
+
+
+def unsupported(task: str, kind: str) -> str | None:
+    """Why the compatibility routes cannot answer for ``task`` with a head of ``kind``; None when they can."""
+    if kind == CLASSIFICATION:
+        return None
+    return (
+        f"the default task '{task}' is {kind}; TEI's /predict and the Inference API's POST / answer text classification "
+        "only: use POST /v1/classify, which answers every head"
+    )
+
+
+def check_default_task(artifact: Artifact, task: str | None) -> None:
+    """Raises FusionServeError when ``task`` (the server's --default-task) is not a task of ``artifact``, or is one
+    these routes cannot answer for (see ``unsupported``)."""
+    if task is None:
+        return
+    check_task(artifact, task, "default_task")
+    why = unsupported(task, head(artifact.tasks[task]))
+    if why:
+        raise FusionServeError(f"default_task: {why}")
 
 
 def _bad(message: str) -> HTTPError:

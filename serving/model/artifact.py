@@ -25,6 +25,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
+# the graph's precision: fp16 for GPU; int8 (ONNX Runtime) and bf16 (OpenVINO, CPUs with bf16 units) for CPU
+PRECISIONS = ("fp32", "fp16", "int8", "bf16")
 _REQUIRED = ("format", "format_version", "fusionserve_version", "precision", "opset", "max_seq_len", "inputs",
              "outputs", "tokenizer", "adapters", "adapters_per_layer", "tasks", "files", "parity", "sources")  # fmt: skip
 
@@ -41,6 +43,9 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+TOKEN_HEADS = ("tagging", "question_answering")  # heads over every token's final state: the graph's token_logits
+
+
 @dataclass(frozen=True)
 class TaskEntry:
     name: str
@@ -49,6 +54,19 @@ class TaskEntry:
     labels: tuple[str, ...]
     adapters: tuple[str, ...]  # fusion: in the fusion's order
     adapters_per_layer: tuple[tuple[str, ...], ...] = ()  # per layer, which of them act there
+    # classification | regression | multiple_choice | tagging | question_answering; "" (a manifest written before heads
+    # had kinds): classification, or regression for a head with one label
+    head: str = ""
+    num_choices: int | None = None  # multiple choice: the count AdapterHub trained with (information, not a limit)
+
+    def __post_init__(self) -> None:
+        if not self.head:
+            object.__setattr__(self, "head", "regression" if len(self.labels) == 1 else "classification")
+
+    @property
+    def level(self) -> str:
+        """ "token" for a head over every token's final state (tagging, question answering), else "sequence"."""
+        return "token" if self.head in TOKEN_HEADS else "sequence"
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,9 @@ def task_entries(tasks: Any, path: Path) -> dict[str, TaskEntry]:
     try:
         for name, t in tasks.items():
             per_layer = tuple(tuple(layer) for layer in t.get("adapters_per_layer", ()))
-            entries[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer)
+            choices = None if t.get("num_choices") is None else int(t["num_choices"])
+            entries[name] = TaskEntry(name, int(t["index"]), str(t["kind"]), tuple(t["labels"]), tuple(t["adapters"]), per_layer,
+                                      str(t.get("head") or ""), choices)  # fmt: skip
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ArtifactError(f"{path}: field 'tasks' is malformed ({exc!r})") from None
     if not entries:
@@ -181,8 +201,10 @@ def render_manifest(manifest: dict[str, Any]) -> str:
         "parity      max |diff| vs PyTorch: "
         + ", ".join(f"{k} {v:.2g}" for k, v in parity["max_abs_diff"].items())
         + f" over {parity['cases']} cases (tolerance {parity['tolerance']['logits']:g})"
-        + (f", of the {parity['precision']} graph before quantization" if "int8" in manifest else ""),
+        + (f", of the {parity['precision']} graph before quantization" if "int8" in manifest else "")
+        + (f", of the {parity['precision']} graph OpenVINO compiles in bf16" if "bf16" in manifest else ""),
         *render_int8(manifest.get("int8")),
+        *render_bf16(manifest.get("bf16")),
         f"fused ops   {manifest.get('fused_operators', {}).get('summary', '?')}",
         "adapters per layer",
     ]
@@ -201,7 +223,7 @@ def render_manifest(manifest: dict[str, Any]) -> str:
             "adapter": f"adapter {', '.join(t['adapters'])}",
             "head": "head only",
         }
-        lines.append(f"  {name:<{width}} {what.get(t['kind'], t['kind'])}; labels: {', '.join(t['labels'])}")
+        lines.append(f"  {name:<{width}} {what.get(t['kind'], t['kind'])}; {describe_head(t)}")
     pruning = manifest.get("pruning")
     if pruning:
         lines.append(f"pruned      {pruning['rule']['summary']} (activations: {pruning['stats']['path']})")
@@ -209,6 +231,21 @@ def render_manifest(manifest: dict[str, Any]) -> str:
             for layer, kept in enumerate(t["kept_per_layer"]):
                 lines.append(f"  {task} L{layer}: {', '.join(kept) or '- (fusion dropped)'}")
     return "\n".join(lines)
+
+
+def describe_head(task: dict[str, Any]) -> str:
+    """A task's head (a manifest's or a revision's task entry) for a terminal: its kind beyond classification, and its
+    labels where it has label names."""
+    entry = task_entries({"t": {**task, "index": 0}}, Path(MANIFEST))["t"]
+    if entry.head == "regression":
+        return "head regression (one value)"
+    if entry.head == "multiple_choice":
+        trained = f", trained on {entry.num_choices} choices" if entry.num_choices else ""
+        return f"head multiple_choice (one logit per (context, choice) row{trained})"
+    if entry.head == "question_answering":
+        return "head question_answering (start and end logits per token)"
+    labels = f"labels: {', '.join(entry.labels)}"
+    return f"head tagging (per token); {labels}" if entry.head == "tagging" else labels  # classification: as ever
 
 
 def render_int8(record: dict[str, Any] | None) -> list[str]:
@@ -226,8 +263,42 @@ def render_int8(record: dict[str, Any] | None) -> list[str]:
         "int8        quantized "
         + ", ".join(f"{op} {n}/{q['of'][op]}" for op, n in q["quantized"].items())
         + f" ({q['weights']}); fp32: {kept}; model.onnx {size['int8'] / 2**20:.1f} MB (fp32 {size['fp32'] / 2**20:.1f} MB)",
+        *_render_heads(gate),
         f"int8        activations: {q['activations']}",
         *_render_smoothing(record.get("smoothing")),
+    ]
+
+
+def _render_heads(gate: dict[str, Any]) -> list[str]:
+    """The int8 gate's figures of each head kind beyond classification (none for older artifacts)."""
+    limits, lines = gate["thresholds"], []
+    for kind, f in gate.get("heads", {}).items():
+        if kind == "regression":
+            lines.append(
+                f"int8 gate   regression: correlation with fp32 {f['correlation']:.4f} over {f['rows']} rows "
+                f"(min {limits['min_regression_correlation']:g}), max value change {f['max_abs_change']:.3g}"
+            )
+        else:
+            lines.append(
+                f"int8 gate   {kind}: agreement {f['agreement']:.2%} over {f['count']} {f['units']} "
+                f"(min {limits['min_label_agreement']:.0%}), max probability change {f['max_probability_change']:.3f}"
+            )
+    return lines
+
+
+def render_bf16(record: dict[str, Any] | None) -> list[str]:
+    """A bf16 artifact's gate figures and what ran them, as lines for a terminal (none for other precisions)."""
+    if not record:
+        return []
+    gate, limits, rt = record["gate"], record["gate"]["thresholds"], record["runtime"]
+    units = ", ".join(rt["cpu_bf16_units"]) or "none: bf16 emulated with AVX-512"
+    return [
+        f"bf16 gate   vs the fp32 graph over {gate['rows']} rows ({gate['cases']} cases): label agreement "
+        f"{gate['label_agreement']:.2%} (min {limits['min_label_agreement']:.0%}), max logit change "
+        f"{gate['max_logit_change']:.3f} (max {limits['max_logit_change']:g}); fusion activations max change "
+        f"{gate['max_fusion_activation_change']:.3f} (recorded)",
+        f"bf16        runs with OpenVINO's CPU plugin (checked with OpenVINO {rt['version']}, inference precision "
+        f"{rt['inference_precision']}; bf16 units: {units})",
     ]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,9 @@ from fusionserve.errors import FusionServeError
 from ..options import DEVICES
 from . import revisions
 from .artifact import Artifact, TaskEntry, load_artifact
-from .cpu_flags import int8_risk
+from .binding import BindingPool, Bound
+from .cpu_flags import cpu_risk
+from .openvino_runtime import bf16_session
 from .predictions import TextInput
 from .runner import Output
 from .tables import TaskTables, is_table, table_specs
@@ -37,6 +38,7 @@ CPU = "CPUExecutionProvider"
 GPU_INSTALL = 'pip uninstall -y onnxruntime && pip install "fusionserve[gpu]"'
 CUDA_BUCKET = 16  # default bucket size on CUDA: waste at most 15 tokens per row, 8 shapes up to 128 tokens
 _POOL_SHAPES = 32  # bound buffer sets kept, one per (batch, length, outputs); the least recently used go first
+TOKEN_LOGITS = "token_logits"  # the token-level heads' output: (batch, sequence, widest token-level head)
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
@@ -109,6 +111,13 @@ def make_session(
     return session
 
 
+def open_session(artifact: Artifact, threads: int | None = None, spin: bool = True, device: str = "auto") -> Any:
+    """ONNX Runtime's session for ``artifact`` (``make_session``), or OpenVINO's for a bf16 one (``bf16_session``)."""
+    if artifact.manifest.get("precision") == "bf16":
+        return bf16_session(artifact.model_path, threads, device)
+    return make_session(artifact.model_path, threads, spin, device)
+
+
 @dataclass(frozen=True)
 class Served:
     """What one run answers from: an artifact revision's tasks and (live artifacts) its stacked task tables. A request
@@ -124,45 +133,12 @@ class Served:
 
 @dataclass(frozen=True)
 class RowsOutput:
-    """``run_rows``'s answer: per row, its task's logits (num_labels,) and, for a fusion row when asked, its
-    activations (layers, seq, task adapters)."""
+    """``run_rows``'s answer: per row, its task's logits, (num_labels,) for a sequence-level head and (tokens,
+    num_labels) over the row's own tokens for a token-level one, and, for a fusion row when asked, its activations
+    (layers, seq, task adapters)."""
 
     logits: list[np.ndarray]
     fusion_activations: list[np.ndarray | None]
-
-
-@dataclass
-class _Bound:
-    """One IO binding with its buffers, for one batch shape and one set of outputs."""
-
-    binding: Any  # ort.IOBinding
-    inputs: dict[str, ort.OrtValue]
-
-
-class _BindingPool:
-    """Bound buffer sets by key, taken for one run and given back, so that concurrent runs of one shape (two
-    tasks' batches in two threads) never share buffers. Keeps the ``capacity`` most recently used keys."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._free: OrderedDict[tuple[int, ...], list[_Bound]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def take(self, key: tuple[int, ...]) -> _Bound | None:
-        with self._lock:
-            free = self._free.get(key)
-            return free.pop() if free else None
-
-    def give(self, key: tuple[int, ...], bound: _Bound) -> None:
-        with self._lock:
-            self._free.setdefault(key, []).append(bound)
-            self._free.move_to_end(key)
-            while len(self._free) > self.capacity:
-                self._free.popitem(last=False)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._free.values())
 
 
 class OnnxRunner:
@@ -187,7 +163,7 @@ class OnnxRunner:
         seq_buckets: int | Sequence[int] | None = None,
     ) -> None:
         first = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = make_session(first.model_path, threads, spin, device)
+        self.session = open_session(first, threads, spin, device)
         self._tables = TaskTables(first.folder, table_specs(self.session))
         self.served = Served(first, self._tables.load(first))
         self._stamp = revisions.pointer_stamp(first.folder)
@@ -198,14 +174,14 @@ class OnnxRunner:
         self._task_id_shape = next((tuple(i.shape) for i in self.session.get_inputs() if i.name == "task_id"), ())
         self._outputs = {o.name: o for o in self.session.get_outputs()}
         self.device = "cuda" if self.provider == CUDA else "cpu"  # where the session runs
-        risk = int8_risk(first.manifest, self.device)
+        risk = cpu_risk(first.manifest, self.device, getattr(self.session, "inference_precision", ""))
         if risk:
             logging.getLogger("fusionserve").warning("fusionserve: %s: %s", first.folder, risk)
         on_cuda = self.device == "cuda"
-        self.io_binding = on_cuda if io_binding is None else bool(io_binding)
+        self.io_binding = (on_cuda if io_binding is None else bool(io_binding)) and isinstance(self.session, ort.InferenceSession)
         buckets = (CUDA_BUCKET if on_cuda else 0) if seq_buckets is None else seq_buckets
         self.bucket_lengths = bucket_lengths(self.artifact.max_seq_len, buckets)
-        self._pool = _BindingPool(_POOL_SHAPES)
+        self._pool = BindingPool(_POOL_SHAPES)
 
     @property
     def artifact(self) -> Artifact:
@@ -256,9 +232,11 @@ class OnnxRunner:
         seq = encoded.input_ids.shape[1]
         padded = self.encoder.pad_to(encoded, self.padded_length(seq))
         feeds = self._feeds(padded, np.array([entry.index]))  # one task for every row: the graph broadcasts it
-        names = ["logits", "fusion_activations"] if return_fusion_activations else ["logits"]
+        token = entry.level == "token"
+        names = [TOKEN_LOGITS if token else "logits", *(["fusion_activations"] if return_fusion_activations else [])]
         out = self._session_run(names, feeds, served)
-        logits = out[0][:, : len(entry.labels)].astype(np.float32)
+        # (batch, labels), or for a token-level head (batch, seq, labels) over the batch's own width
+        logits = (out[0][:, :seq] if token else out[0])[..., : len(entry.labels)].astype(np.float32)
         acts = self._columns(out[1][:, :, :seq], entry, served) if return_fusion_activations else None
         return Output(logits, acts, encoded)
 
@@ -304,11 +282,24 @@ class OnnxRunner:
         seq = encoded.input_ids.shape[1]
         feeds = self._feeds(self.encoder.pad_to(encoded, self.padded_length(seq)), np.array([e.index for e in entries]))
         wants = return_fusion_activations and any(e.kind == "fusion" for e in entries)
-        names = ["logits", "fusion_activations"] if wants else ["logits"]
-        out = self._session_run(names, feeds, served)
-        logits = [out[0][i, : len(e.labels)].astype(np.float32) for i, e in enumerate(entries)]
+        levels = {e.level for e in entries}
+        names = [n for n, level in (("logits", "sequence"), (TOKEN_LOGITS, "token")) if level in levels]
+        out = dict(
+            zip(
+                [*names, "fusion_activations"],
+                self._session_run([*names, *(["fusion_activations"] if wants else [])], feeds, served),
+                strict=False,
+            )
+        )
+        lengths = encoded.attention_mask.sum(axis=1)  # padding is on the right: a row's tokens are its first ones
+        logits = [
+            (out[TOKEN_LOGITS][i, : lengths[i]] if e.level == "token" else out["logits"][i])[..., : len(e.labels)].astype(
+                np.float32
+            )
+            for i, e in enumerate(entries)
+        ]
         acts = [
-            self._columns(out[1][i : i + 1, :, :seq], e, served)[0] if wants and e.kind == "fusion" else None
+            self._columns(out["fusion_activations"][i : i + 1, :, :seq], e, served)[0] if wants and e.kind == "fusion" else None
             for i, e in enumerate(entries)
         ]
         return RowsOutput(logits, acts)
@@ -324,8 +315,9 @@ class OnnxRunner:
         for task, idx in groups.items():
             fusion = return_fusion_activations and served.artifact.task(task).kind == "fusion"
             out = self.run(task, encoded if len(groups) == 1 else encoded.rows(idx), fusion, served)
+            lengths = encoded.attention_mask[idx].sum(axis=1)
             for k, i in enumerate(idx):
-                logits[i] = out.logits[k]
+                logits[i] = out.logits[k, : lengths[k]] if out.logits.ndim == 3 else out.logits[k]
                 acts[i] = None if out.fusion_activations is None else out.fusion_activations[k]
         return RowsOutput([x for x in logits if x is not None], acts)
 
@@ -354,7 +346,7 @@ class OnnxRunner:
         finally:
             self._pool.give(key, bound)
 
-    def _bind(self, names: list[str], batch: int, seq: int, task_rows: int) -> _Bound:
+    def _bind(self, names: list[str], batch: int, seq: int, task_rows: int) -> Bound:
         where = self.device
         binding = self.session.io_binding()
         inputs = {}
@@ -372,7 +364,7 @@ class OnnxRunner:
             else:
                 value = ort.OrtValue.ortvalue_from_shape_and_type(out_shape, dtype, where, 0)
                 binding.bind_ortvalue_output(name, value)
-        return _Bound(binding, inputs)
+        return Bound(binding, inputs)
 
     def _output_shape(self, name: str, batch: int, seq: int) -> tuple[int, ...] | None:
         # logits: (batch, max labels over tasks), its second dimension unnamed after optimization;
@@ -384,9 +376,11 @@ class OnnxRunner:
                 dims.append(dim)
             elif dim in known:
                 dims.append(known[dim])
-            elif name == "logits" and i == 1:
+            elif (name, i) in (("logits", 1), (TOKEN_LOGITS, 2)):
+                kind = "sequence" if name == "logits" else "token"
                 live = self.artifact.manifest.get("live") or {}  # a live graph's width outlives its revisions' tasks
-                dims.append(int(live.get("logits_width") or max(len(t.labels) for t in self.artifact.tasks.values())))
+                widths = [len(t.labels) for t in self.artifact.tasks.values() if t.level == kind]
+                dims.append(int(live.get(f"{name}_width") or max(widths, default=1)))
             else:
                 return None
         return tuple(dims)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from fusionserve.errors import FusionServeError
 
@@ -116,6 +116,24 @@ class Encoder:
             token_type_ids=np.asarray([e.type_ids for e in encs], dtype=np.int64),
             truncated=[len(e.overflowing) > 0 or cut for e, cut in zip(encs, self.cut(inputs), strict=True)],
         )
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer itself, neither truncating nor padding (question answering cuts its own windows)."""
+        return self._plain
+
+    def tagged(self, inputs: Sequence[TextInput], direction: str = "right") -> list[tuple[Tokens, Encoding, int]]:
+        """Like ``tokens``, each with its ``tokenizers`` Encoding (offsets, special tokens, word ids: what tagging reads)
+        and the shift that makes its offsets point into the input's own text (not 0 when "left" cut its start)."""
+        encs = self._pick(self._unpadded, direction).encode_batch([self._item(i, direction) for i in inputs])
+        out = []
+        for i, e, cut in zip(inputs, encs, self.cut(inputs), strict=True):
+            shift = max(0, len(i.text) - self.max_chars) if direction == "left" else 0
+            tokens = Tokens(
+                np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64), len(e.overflowing) > 0 or cut
+            )
+            out.append((tokens, e, shift))
+        return out
 
     def tokens(self, inputs: Sequence[TextInput], direction: str = "right") -> list[Tokens]:
         """Each input's tokens, truncated like ``encode`` but not padded (``pad`` makes a batch of them)."""

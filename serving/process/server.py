@@ -24,6 +24,7 @@ from .. import private
 from ..api.grpc_ingress import transport_env
 from ..builder import SERVICER, AppArgs, app_builder, check_artifact, check_ranges, placement
 from ..model.artifact import MANIFEST, load_artifact, sha256
+from ..model.openvino_runtime import require_openvino
 from ..model.runtime import make_session, resolve_device
 from .cluster import connect
 from .ingress import INGRESSES, VARIANTS, ingress_env
@@ -93,15 +94,18 @@ class ServerConfig:
 def check_before_ray(cfg: ServerConfig, session: bool = True) -> tuple[Any, dict[int, str]]:
     """What fails before Ray starts: no Ray, a missing or unreadable artifact (``session``: its graph loaded once, as
     predict loads it: a model.onnx ONNX Runtime cannot read is one line then, not a replica's traceback from Ray), a
-    missing CUDA provider, an option the artifact bounds, a taken port (joining a cluster, a taken port is judged once
-    Serve's own ports there are known). Runs left by servers that are gone are reaped first. Returns the artifact and
-    the ports held (port -> holder). Raises FusionServeError, or ModuleNotFoundError for Ray."""
+    bf16 artifact without OpenVINO, a missing CUDA provider, an option the artifact bounds, a taken port (joining a
+    cluster, a taken port is judged once Serve's own ports there are known). Runs left by servers that are gone are
+    reaped first. Returns the artifact and the ports held (port -> holder). Raises FusionServeError, or
+    ModuleNotFoundError for Ray."""
     if importlib.util.find_spec("ray") is None:  # said before any step is announced (Ray is imported only later)
         raise ModuleNotFoundError("No module named 'ray'", name="ray")
     artifact = load_artifact(cfg.artifact, verify=False)
     if session:
         optimization = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         make_session(artifact.model_path, threads=1, spin=False, device="cpu", optimization=optimization)
+    if artifact.manifest["precision"] == "bf16":  # its replicas run it with OpenVINO: missing, one line now
+        require_openvino(f"{artifact.folder} (a bf16 artifact)")
     resolve_device(cfg.app.device)
     check_artifact(cfg.app)  # the options the artifact bounds (--default-task, --max-batch-tokens)
     reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program

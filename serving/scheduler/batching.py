@@ -1,7 +1,9 @@
 """Continuous batching for one replica, with no timer at low load.
 
 A request is tokenized when it arrives (in a tokenizer thread, off the event loop) and its inputs join one queue as
-rows — one row per input and task, so a request for several tasks adds each input once per task. One model thread
+rows — one row per input and task, so a request for several tasks adds each input once per task; a multiple-choice
+input adds one row per choice and a question-answering input one per window of its context (``model/heads.py``), and
+each such row counts as one against the limits, as an input does. One model thread
 sends batches to the model, one at a time: as soon as the model is free it takes the rows queued, oldest first and
 of any tasks (the graph selects each row's fusion and head), up to ``max_batch_size`` rows and
 ``max_batch_tokens`` padded tokens (rows x the longest row, at the runner's bucket length), and while that batch
@@ -27,18 +29,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from fusionserve.errors import FusionServeError
+from fusionserve.errors import FusionServeError, InputError
 
 from ..model.activations import token_means
-from ..model.predictions import TextInput
+from ..model.heads import HeadOptions, Unit, head, row_key, units
+from ..model.predictions import Input, TextInput
 from ..model.runtime import OnnxRunner, Served
-from ..model.tokenize import Tokens
 from ..options import check_ranges, default
-from .results import BatchStats, JobResult, TaskResult, shares
+from .jobs import Job, Row, delivered, failed, longest, settle
+from .results import BatchStats, JobResult, shares
 
 
 class Overloaded(FusionServeError):
@@ -55,6 +58,15 @@ class TooManyTokens(FusionServeError):
     def __init__(self, over: list[tuple[int, int, bool]], limit: int) -> None:
         self.over, self.limit = over, limit
         super().__init__(f"{len(over)} input(s) over the token limit of {limit}")
+
+
+class TooManyRows(FusionServeError):
+    """A request makes more rows than it may (each choice of a multiple-choice input and each window of a
+    question-answering context is a row). ``rows``: per input, the rows it makes (first task's count)."""
+
+    def __init__(self, total: int, limit: int, rows: list[int]) -> None:
+        self.total, self.limit, self.rows = total, limit, rows
+        super().__init__(f"{total} rows over the limit of {limit}")
 
 
 @dataclass(frozen=True)
@@ -81,45 +93,6 @@ class BatchLimits:
             )
 
 
-@dataclass(eq=False)
-class _Job:
-    tasks: tuple[str, ...]
-    n: int  # inputs; rows = inputs x tasks, task-major
-    future: asyncio.Future[JobResult]
-    loop: asyncio.AbstractEventLoop
-    arrived_s: float
-    served: Served  # the artifact revision it was admitted on, and is answered from
-    truncation: str = "right"  # where the tokenizer cuts an input over the token limit
-    logits: list[np.ndarray | None] = field(default_factory=list)
-    acts: list[np.ndarray | None] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
-    left: int = 0  # rows not yet computed
-    queued: int = 0  # rows not yet taken by a batch
-    started_s: float | None = None
-    batches: int = 0
-    failed: bool = False
-    dropped: bool = False  # deadline passed, or caller gone: its rows left the queue (or never joined it)
-    enqueued: bool = False  # its rows joined the queue (tokenizing is over)
-
-    def __post_init__(self) -> None:
-        rows = self.n * len(self.tasks)
-        self.logits, self.acts, self.truncated = [None] * rows, [None] * rows, [False] * self.n
-        self.left = self.queued = rows
-
-    @property
-    def gone(self) -> bool:
-        """Failed, dropped, or its caller went away (the future was cancelled): its rows need no computing."""
-        return self.failed or self.dropped or self.future.cancelled()
-
-
-@dataclass(frozen=True)
-class _Row:
-    job: _Job
-    index: int  # position in its request: task-major, (task k, input i) is k * n + i
-    task: str
-    tokens: Tokens
-
-
 class Scheduler:
     """Queues requests' rows and runs them through ``runner`` in batches (see the module docstring). Its model
     thread starts at the first ``submit``. ``on_batch`` is called with every batch's figures, in the model thread."""
@@ -127,7 +100,7 @@ class Scheduler:
     def __init__(self, runner: OnnxRunner, limits: BatchLimits, on_batch: Callable[[BatchStats], None] | None = None) -> None:
         limits.check_fits(runner.artifact.max_seq_len)
         self.runner, self.limits, self.on_batch = runner, limits, on_batch
-        self._queue: deque[_Row] = deque()
+        self._queue: deque[Row] = deque()
         self._waiting = 0  # requests with rows not yet taken by a batch (admission counts these)
         self._lock = threading.Condition()  # guards the queue and the counters; the model thread waits on it
         self._thread: threading.Thread | None = None
@@ -158,13 +131,17 @@ class Scheduler:
         truncation: str = "right",
         deadline: float | None = None,
         served: Served | None = None,
+        options: HeadOptions | None = None,
+        max_rows: int | None = None,
     ) -> JobResult:
-        """Classify ``inputs`` for ``task`` (or for each of several tasks), cut from ``truncation``'s side when too
-        long, on ``served`` (default: the runner's latest revision; a batch never mixes revisions). ``deadline``
+        """Run ``inputs`` for ``task`` (or for each of several tasks), cut from ``truncation``'s side when too long, on
+        ``served`` (default: the runner's latest revision; a batch never mixes revisions), each task's head reading
+        ``options``; the inputs must be the shapes the tasks' heads take (``heads.check_input``). ``deadline``
         (``time.monotonic()`` seconds): still waiting then, the request is dropped. Raises Overloaded when
-        ``max_queued`` requests already wait, TooManyTokens (``strict``) for inputs over the token limit, found while
-        tokenizing, off the event loop, DeadlineExceeded, and what the tokenizer or the runner raises for this
-        request's rows; cancelled, it drops the rows not yet taken and re-raises."""
+        ``max_queued`` requests already wait, TooManyTokens (``strict``) for inputs over the token limit and
+        TooManyRows for more than ``max_rows`` rows, both found while tokenizing, off the event loop,
+        DeadlineExceeded, and what the tokenizer or the runner raises for this request's rows; cancelled, it drops
+        the rows not yet taken and re-raises."""
         tasks = (task,) if isinstance(task, str) else tuple(task)
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -173,8 +150,9 @@ class Scheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="fusionserve-model", daemon=True)
                 self._thread.start()
-        job = _Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter(), served or self.runner.served, truncation)
-        self._tokenize.submit(self._enqueue, job, inputs, strict)
+        job = Job(tasks, len(inputs), loop.create_future(), loop, time.perf_counter(), served or self.runner.served, truncation,
+                   options or HeadOptions())  # fmt: skip
+        self._tokenize.submit(self._enqueue, job, inputs, strict, max_rows)
         timer = None if deadline is None else loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, job)
         try:
             return await job.future
@@ -185,7 +163,7 @@ class Scheduler:
             if timer is not None:
                 timer.cancel()
 
-    def _expire(self, job: _Job) -> None:
+    def _expire(self, job: Job) -> None:
         """On the loop, at the request's deadline: drop it if no batch has taken a row of it yet."""
         if not job.future.done() and self._drop(job, started_too=False):
             waited_ms = (time.perf_counter() - job.arrived_s) * 1000
@@ -193,7 +171,7 @@ class Scheduler:
                 DeadlineExceeded(f"the request waited {waited_ms:.0f} ms for the model and passed its deadline")
             )
 
-    def _drop(self, job: _Job, started_too: bool) -> bool:
+    def _drop(self, job: Job, started_too: bool) -> bool:
         """Take ``job``'s rows out of the queue (or keep them out), unless a batch took one and not ``started_too``."""
         with self._lock:
             if job.dropped or job.failed:
@@ -209,40 +187,60 @@ class Scheduler:
                 self._waiting -= 1
             return True
 
-    def _enqueue(self, job: _Job, inputs: Sequence[TextInput], strict: bool) -> None:
+    def _enqueue(self, job: Job, inputs: Sequence[Input], strict: bool, max_rows: int | None) -> None:
         """In a tokenizer thread: the request's rows join the queue, and the model thread is told. Each input is
-        tokenized once, whatever the number of tasks; in strict mode a request with an input over the token limit
-        fails instead (its length counted here too: a long text never costs the event loop)."""
-        encoder = self.runner.encoder
+        tokenized once for the tasks whose heads make the same rows of it; in strict mode a request with an input over
+        the token limit fails instead (its length counted here too: a long text never costs the event loop), and a
+        request over ``max_rows`` rows fails too."""
         try:
-            tokens = encoder.tokens(inputs, job.truncation)
-            over = [i for i, t in enumerate(tokens) if t.truncated] if strict else []
-            if over:
-                picked = [inputs[i] for i in over]
-                counts, cut = encoder.count_tokens(picked), encoder.cut(picked)
-                raise TooManyTokens(list(zip(over, counts, cut, strict=True)), encoder.max_length)
+            job.units = self._units(job, inputs, strict)
+            rows = sum(len(u.rows) for per_task in job.units for u in per_task)
+            if max_rows is not None and rows > max_rows:
+                raise TooManyRows(rows, max_rows, [len(u.rows) for u in job.units[0]])
         except Exception as exc:  # a tokenizer failure (or a strict refusal) fails this request only
             with self._lock:
                 if job.dropped:  # dropped meanwhile: nobody waits for this answer
                     return
                 self._waiting -= 1
                 job.failed = True
-            failed: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]] = [(job.future, exc)]
-            job.loop.call_soon_threadsafe(_settle, failed)
+            refused: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]] = [(job.future, exc)]
+            job.loop.call_soon_threadsafe(settle, refused)
             return
-        rows = [_Row(job, k * job.n + i, task, t) for k, task in enumerate(job.tasks) for i, t in enumerate(tokens)]
+        made = [(task, t) for task, per_task in zip(job.tasks, job.units, strict=True) for u in per_task for t in u.rows]
+        rows = [Row(job, index, task, t) for index, (task, t) in enumerate(made)]
+        job.logits, job.acts = [None] * len(rows), [None] * len(rows)
         with self._lock:
             if job.dropped:  # its deadline passed, or its caller went away, while it was tokenized
                 return
             job.enqueued = True
+            job.left = job.queued = len(rows)
             self._queue.extend(rows)
             self._lock.notify()
+
+    def _units(self, job: Job, inputs: Sequence[Input], strict: bool) -> list[list[Unit]]:
+        """Per task, per input, its rows; tasks whose heads make the same rows share them (tokenized once)."""
+        encoder, made = self.runner.encoder, {}
+        out = []
+        for task in job.tasks:
+            kind = head(job.served.artifact.task(task))
+            key = row_key(kind)
+            if key not in made:
+                made[key] = units(encoder, kind, inputs, job.truncation, job.options)
+                bad = next((k for k, u in enumerate(made[key]) if u.error is not None), None)
+                if bad is not None:
+                    raise InputError(f"inputs[{bad}]: {made[key][bad].error}")
+            out.append(made[key])
+        if strict:
+            over = sorted({i for per_task in out for i, u in enumerate(per_task) if u.truncated})
+            if over:
+                raise TooManyTokens([(i, *longest(encoder, inputs[i])) for i in over], encoder.max_length)
+        return out
 
     def _work(self) -> None:
         """The model thread: forever, the next batch as soon as there is one, then its results to the loops. It
         must not die (every later request would wait forever): whatever fails fails the batch it happened in."""
         while True:
-            rows: list[_Row] = []
+            rows: list[Row] = []
             try:
                 with self._lock:
                     while not self._queue:
@@ -252,25 +250,25 @@ class Scheduler:
                     rows = self._take()
                 if rows:
                     logits, acts = self._run(rows)
-                    self._post(_delivered(rows, logits, acts))
+                    self._post(delivered(rows, logits, acts))
             except Exception as exc:  # the runner (or the metrics) failed this batch: fail its requests, go on
-                self._post(_failed(rows, exc))
+                self._post(failed(rows, exc))
 
-    def _post(self, settled: list[tuple[_Job, JobResult | BaseException]]) -> None:
+    def _post(self, settled: list[tuple[Job, JobResult | BaseException]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[JobResult], JobResult | BaseException]]] = {}
         for job, outcome in settled:
             by_loop.setdefault(job.loop, []).append((job.future, outcome))
         for loop, items in by_loop.items():  # one wake-up per loop and batch
             try:
-                loop.call_soon_threadsafe(_settle, items)
+                loop.call_soon_threadsafe(settle, items)
             except RuntimeError:  # that loop is closed: nobody waits for these answers any more
                 continue
 
-    def _take(self) -> list[_Row]:
+    def _take(self) -> list[Row]:
         """The next batch (under the lock): the oldest rows, of any tasks, within the limits, all of one revision (the
         oldest row's: rows of a newer one wait for the next batch)."""
         queue, longest = self._queue, 0
-        rows: list[_Row] = []
+        rows: list[Row] = []
         now = time.perf_counter()
         while queue and len(rows) < self.limits.max_batch_size:
             row = queue[0]
@@ -289,12 +287,12 @@ class Scheduler:
                 row.job.started_s = now
         return rows
 
-    def _dequeued(self, row: _Row) -> None:
+    def _dequeued(self, row: Row) -> None:
         row.job.queued -= 1
         if row.job.queued == 0:
             self._waiting -= 1
 
-    def _run(self, rows: list[_Row]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+    def _run(self, rows: list[Row]) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         """One model call (in the model thread): per row, its logits and (fusion rows) its activation means."""
         started = time.perf_counter()
         enc = self.runner.encoder.pad([r.tokens for r in rows])
@@ -319,49 +317,3 @@ class Scheduler:
                 )
             )  # fmt: skip
         return out.logits, acts
-
-
-def _delivered(
-    rows: list[_Row], logits: list[np.ndarray], acts: list[np.ndarray | None]
-) -> list[tuple[_Job, JobResult | BaseException]]:
-    """Record a batch's rows in their requests; the requests it completed, with their results."""
-    for job in {id(r.job): r.job for r in rows}.values():
-        job.batches += 1
-    done: list[tuple[_Job, JobResult | BaseException]] = []
-    for k, row in enumerate(rows):
-        job = row.job
-        job.logits[row.index], job.acts[row.index] = logits[k], acts[k]
-        job.truncated[row.index % job.n] = row.tokens.truncated
-        job.left -= 1
-        if job.left == 0 and not job.gone:
-            done.append((job, _result(job)))
-    return done
-
-
-def _failed(rows: list[_Row], exc: Exception) -> list[tuple[_Job, JobResult | BaseException]]:
-    jobs = {id(r.job): r.job for r in rows if not r.job.gone}
-    for job in jobs.values():
-        job.failed = True
-    return [(job, exc) for job in jobs.values()]
-
-
-def _settle(items: list[tuple[asyncio.Future[JobResult], JobResult | BaseException]]) -> None:
-    """On the event loop: hand each waiting request its result or its error."""
-    for future, outcome in items:
-        if future.done():
-            continue
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
-
-def _result(job: _Job) -> JobResult:
-    tasks = {}
-    for k, task in enumerate(job.tasks):
-        rows = range(k * job.n, (k + 1) * job.n)
-        logits = np.stack([job.logits[i] for i in rows])  # type: ignore[misc]
-        acts = None if job.acts[rows[0]] is None else np.stack([job.acts[i] for i in rows])  # type: ignore[misc]
-        tasks[task] = TaskResult(logits, acts)
-    started = job.started_s if job.started_s is not None else job.arrived_s
-    return JobResult(tasks, list(job.truncated), (started - job.arrived_s) * 1000, job.batches)

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from ..model.heads import Unit
+
 
 @dataclass(frozen=True)
 class TaskShare:
@@ -39,8 +41,17 @@ class BatchStats:
 
 @dataclass(frozen=True)
 class TaskResult:
-    logits: np.ndarray  # (inputs, num_labels), label-id order
+    outputs: list[list[np.ndarray]]  # per input, its rows' logits ((labels,) per row, (tokens, labels) token-level)
     activations: np.ndarray | None  # (inputs, layers, task adapters): mean over each input's real tokens; fusion only
+    truncated: list[bool]  # per input
+    units: list[Unit]  # per input: its rows, and what its head's answer reads besides their logits
+
+    @property
+    def logits(self) -> np.ndarray:
+        """(inputs, num_labels), label-id order: for heads that run one sequence-level row per input."""
+        if any(len(rows) != 1 or rows[0].ndim != 1 for rows in self.outputs):
+            raise ValueError("logits: an input of this task made several rows, or token-level ones; read outputs")
+        return np.stack([rows[0] for rows in self.outputs])
 
 
 @dataclass(frozen=True)
