@@ -36,12 +36,20 @@ FROM ${BASE_IMAGE} AS python
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
 
-# --- the loopback shim (serving/process/loopback.py): built here, where a C compiler is; only the library reaches the image,
-# which then keeps Ray's own ports on loopback without one (FUSIONSERVE_LOOPBACK_SHIM below)
-FROM python AS shim
+# --- wheel: fusionserve built once, with its loopback shim (serving/process/loopback.py, a compiled library in the
+# wheel: pyproject.toml's ext-modules); the C compiler stays in this stage, the runtime images install the wheel
+FROM python AS wheel
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
-COPY serving/process/loopback_bind.c /src/
-RUN gcc -shared -fPIC -O2 -o /src/loopback_bind.so /src/loopback_bind.c -ldl
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY fusionserve ./fusionserve
+COPY cli ./cli
+COPY export ./export
+COPY serving ./serving
+COPY scoring ./scoring
+COPY training ./training
+RUN pip wheel --no-deps . -w /wheels \
+    && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/fusionserve-*.whl')[0]).namelist(); sys.exit(0 if any('_loopback_bind' in n for n in names) else 'the wheel has no loopback shim')"
 
 # --- export: spec -> validated artifact (torch CPU wheel, transformers, the base weights) -------------------
 FROM python AS export
@@ -74,20 +82,13 @@ RUN precision="${PRECISION:-$([ "$VARIANT" = gpu ] && echo fp16 || echo int8)}" 
 # --- runtime, GPU: onnxruntime-gpu with the CUDA and cuDNN wheels it was built for ------------------------------
 FROM python AS runtime-gpu
 ARG ONNXRUNTIME_GPU=1.31.1
-WORKDIR /opt/fusionserve
-COPY pyproject.toml README.md ./
-COPY fusionserve ./fusionserve
-COPY cli ./cli
-COPY export ./export
-COPY serving ./serving
-COPY scoring ./scoring
-COPY training ./training
+COPY --from=wheel /wheels /wheels
 # [serve] pulls the CPU wheel 'onnxruntime'; both wheels install the same module, so it goes before the GPU one.
 # The CUDA libraries land in site-packages/nvidia/*/lib, where the loader does not look: ld.so.conf names those
 # folders (for every process: Ray's replicas too), and the build fails if the CUDA provider still misses a
 # library or cuDNN (which it opens at run time) is not found; libcuda.so.1 alone comes from the host's driver
 # (the NVIDIA container toolkit mounts it with `--gpus`).
-RUN pip install ".[serve]" \
+RUN pip install "$(ls /wheels/fusionserve-*.whl)[serve]" \
     && pip uninstall -y onnxruntime \
     && pip install "onnxruntime-gpu[cuda,cudnn]==${ONNXRUNTIME_GPU}" \
     && python -c "import onnxruntime as o, sys; sys.exit(0 if 'CUDAExecutionProvider' in o.get_available_providers() else 'onnxruntime-gpu has no CUDA provider')" \
@@ -102,28 +103,21 @@ ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", 
 
 # --- runtime, CPU --------------------------------------------------------------------------------------------
 FROM python AS runtime-cpu
-WORKDIR /opt/fusionserve
-COPY pyproject.toml README.md ./
-COPY fusionserve ./fusionserve
-COPY cli ./cli
-COPY export ./export
-COPY serving ./serving
-COPY scoring ./scoring
-COPY training ./training
+COPY --from=wheel /wheels /wheels
 # a bf16 artifact runs with OpenVINO (the [openvino] extra); the others with onnxruntime alone
 ARG PRECISION=
-RUN pip install ".[serve]" && if [ "$PRECISION" = bf16 ]; then pip install ".[serve,openvino]"; fi
+RUN wheel="$(ls /wheels/fusionserve-*.whl)" \
+    && if [ "$PRECISION" = bf16 ]; then pip install "${wheel}[serve,openvino]"; else pip install "${wheel}[serve]"; fi
 ENTRYPOINT ["fusionserve", "serve", "/artifact", "--host", "0.0.0.0", "--port", "8000", "--device", "cpu"]
 
 # --- the image: runtime + artifact, non-root -----------------------------------------------------------------
 FROM runtime-${VARIANT}
 COPY --from=export /artifact /artifact
-COPY --from=shim /src/loopback_bind.so /opt/fusionserve/loopback_bind.so
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin fusionserve
 USER fusionserve
 WORKDIR /home/fusionserve
-# offline at run time too; Ray writes its logs and sockets under /tmp/ray; Ray's own ports on loopback (the prebuilt shim)
-ENV HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 FUSIONSERVE_LOOPBACK_SHIM=/opt/fusionserve/loopback_bind.so
+# offline at run time too; Ray writes its logs and sockets under /tmp/ray (Ray's own ports stay on loopback: the wheel's shim)
+ENV HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 EXPOSE 8000
 # /readyz answers 200 only when the model answered a real request; Ray and the first session take a while
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \

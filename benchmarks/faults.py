@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from fusionserve.export.artifact import export_artifact
-from fusionserve.serving.process.ingress import port_holder
+from fusionserve.serving.process.ports import port_holder
 from tests.adapterhub_models import build
 from tests.fault_helpers import CLIENTS, kill_haproxy, kill_raylet, kill_replica, processes, under_load
 from tests.serving_helpers import MARK_ENV, alive, carrying, free_port, launch, new_mark

@@ -27,7 +27,7 @@ from benchmarks import servers
 from benchmarks.httpload import Tally, closed_loop
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
-from fusionserve.serving.process.ingress import free_port
+from fusionserve.serving.process.ports import free_port
 
 METADATA = (("application", "fusionserve"),)
 

@@ -41,7 +41,7 @@ from benchmarks import grpcload, oip, servers
 from benchmarks.httpload import burst, closed_loop
 from benchmarks.load_report import markdown, plot
 from benchmarks.report import machine, record
-from fusionserve.serving.process.ingress import free_port
+from fusionserve.serving.process.ports import free_port
 
 HERE = Path(__file__).parent
 FALLBACK_TEXTS = [

@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.httpload import closed_loop
 from benchmarks.servers import ROOT, start_fusionserve
-from fusionserve.serving.process.ingress import free_port
+from fusionserve.serving.process.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 SMALL = json.dumps({"task": "rte", "inputs": ["a fine film with a weak ending"]}).encode()

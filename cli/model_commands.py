@@ -49,7 +49,12 @@ def add_export(sub: Any) -> None:
         type=int,
         help="token limit recorded for serving (default: the spec's max_seq_len, else the tokenizer's, at most the model's positions)",
     )
-    ex.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    ex.add_argument(
+        "--opset",
+        type=int,
+        default=17,
+        help="ONNX opset (default 17; one the export cannot write is refused at once, naming the range)",
+    )
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
     ex.add_argument("--tasks", nargs="+", metavar="T", help="serve only these tasks of the spec (default: all)")
     ex.add_argument(

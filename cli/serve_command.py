@@ -19,7 +19,7 @@ from . import default
 def _d(name: str) -> str:
     """An option's default for its help (serving/options.py holds it)."""
     value = options.default(name)
-    return str(value) if isinstance(value, int) else f"{value:g}"
+    return str(value) if isinstance(value, int | str) else f"{value:g}"
 
 
 def add_serve(sub: Any) -> None:
@@ -54,7 +54,8 @@ def add_serve(sub: Any) -> None:
     sv.add_argument(
         "--max-ongoing",
         type=int,
-        help="requests Serve hands a replica at once (default 1024: the replica's own queue refuses first)",
+        help=f"requests Serve hands a replica at once (default max({options.ONGOING_FLOOR}, --max-queued + "
+        "--max-batch-size): the replica's own queue refuses first)",
     )
     sv.add_argument("--max-inputs", type=int, help=f"most inputs in one request, else 413 (default {_d('max_inputs')})")
     sv.add_argument(
@@ -67,9 +68,9 @@ def add_serve(sub: Any) -> None:
     )
     sv.add_argument(
         "--device",
-        choices=["auto", "cpu", "cuda"],
+        choices=list(options.DEVICES),
         help="where replicas run: cuda needs onnxruntime-gpu (pip install 'fusionserve[gpu]') and a GPU Ray sees; "
-        "auto takes it when both are there (default auto)",
+        f"auto takes it when both are there (default {_d('device')})",
     )
     sv.add_argument(
         "--ingress",
@@ -140,13 +141,20 @@ def _api_key_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hide(key: str) -> None:
-    """Blank the key out of this process's command line (what ps and Ray's job table show) and of sys.argv."""
+    """Blank the key out of this process's command line (what ps and Ray's job table show) and of sys.argv. Raises
+    FusionServeError where the command line cannot be rewritten (serving/private.py): the key would stay visible."""
+    import importlib.util
+
+    from fusionserve.serving.private import set_process_title
+
+    if importlib.util.find_spec("ray") is None:  # serve needs Ray anyway: say which extra brings it
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
     sys.argv[:] = [a.replace(key, "<hidden>") for a in sys.argv]
-    try:
-        from ray._raylet import setproctitle  # Ray's own (it retitles its workers with it); rewrites /proc/self/cmdline
-    except ImportError:  # no Ray: serve stops at its missing extra anyway
-        return
-    setproctitle(" ".join([Path(sys.executable).name, "-m", "fusionserve.cli.main", *sys.argv[1:]]))
+    if not set_process_title(" ".join([Path(sys.executable).name, "-m", "fusionserve.cli.main", *sys.argv[1:]])):
+        raise FusionServeError(
+            f"--api-key: this Ray cannot rewrite the command line, so the key would stay visible in ps; pass it in "
+            f"${API_KEY_ENV} instead"
+        )
 
 
 def _add_scaling(sv: Any) -> None:
@@ -184,7 +192,8 @@ def _add_scaling(sv: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from fusionserve.serving.process.server import ServerConfig, serve_forever, serve_supervised
+    from fusionserve.serving.process.server import ServerConfig, serve_forever
+    from fusionserve.serving.process.supervise import supervise
 
     if args.artifact is not None:
         artifact = Path(args.artifact)
@@ -206,7 +215,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         print(render(cfg), end="")
         return 0
-    # the command itself runs the server under a supervisor process; main(argv) called from Python code (tests) runs
-    # it in the calling process, which must not be forked
-    (serve_supervised if getattr(args, "own_process", False) else serve_forever)(cfg)
-    return 0
+    # the command itself is the supervisor of a server process; main(argv) called from Python code (tests) serves in
+    # the calling process
+    if getattr(args, "own_process", False):
+        return supervise(cfg)
+    return serve_forever(cfg) or 0

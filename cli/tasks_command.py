@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import InputError
+from fusionserve.serving.options import check_task_name
 
 
 def add_tasks(sub: Any) -> None:
@@ -61,6 +62,7 @@ def _checked(doc: dict[str, Any]) -> str:
 
 
 def run_add(args: argparse.Namespace) -> int:
+    check_task_name(args.name)  # before any work (the imports below load torch)
     from fusionserve.export.live.tasks import add_task
     from fusionserve.export.spec import TaskSpec
 

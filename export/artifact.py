@@ -25,9 +25,10 @@ from fusionserve.serving.model.tokenize import Encoder
 from .bf16 import Bf16Gate, bf16_graph
 from .build import Dropped
 from .int8.quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
+from .int8.rowwise import MIN_OPSET as ROW_MIN_OPSET
 from .live.tables import graph_tables, write_first_revision
 from .model import FusionModel
-from .onnx_export import DEFAULT_OPSET, FusionReport, export_raw, optimize
+from .onnx_export import DEFAULT_OPSET, OPSETS, FusionReport, export_raw, optimize
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
 from .validate import GRIDS, check_parity, count_cases
@@ -103,8 +104,13 @@ def _check_options(precision: str, opset: int, out: Path, force: bool, parity_gr
         from fusionserve.serving.model.openvino_runtime import require_openvino
 
         require_openvino("--precision bf16")
-    if not 7 <= opset <= 23:
-        raise FusionServeError(f"--opset must be between 7 and 23, got {opset}")
+    if opset not in OPSETS:
+        raise FusionServeError(f"--opset must be between {OPSETS[0]} and {OPSETS[-1]}, got {opset}")
+    if precision == "int8" and opset < ROW_MIN_OPSET:
+        raise FusionServeError(
+            f"--precision int8 needs --opset {ROW_MIN_OPSET} to {OPSETS[-1]} (its per-row quantization takes one scale per "
+            f"row, QuantizeLinear's axis, from opset {ROW_MIN_OPSET}), got {opset}"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FusionServeError(f"{out} exists and is not empty; pass --force to replace it")
 

@@ -23,6 +23,9 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids", "task_id")
 # The graph's outputs: token_logits only in a graph with a token-level head (FusionModel.outputs)
 OUTPUTS = ("logits", "fusion_activations", "token_logits")
 DEFAULT_OPSET = 17
+# the opsets an export can be written in: below 11 torch's exporter cannot write the model's dynamic Slice and Pad
+# (tried: 7, 9, 10 fail); 23 is the newest ONNX Runtime 1.32 reads. int8 needs 13 (int8/rowwise.py: MIN_OPSET).
+OPSETS = range(11, 24)
 # ONNX files are protobufs, capped at 2 GiB; past this size the weights go to an external data file.
 EXTERNAL_DATA_BYTES = 1_800_000_000
 

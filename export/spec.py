@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from fusionserve.errors import SpecError
+from fusionserve.serving.options import TASK_NAME_RULE, is_task_name
 
 TaskKind = Literal["fusion", "adapter", "head"]
 
@@ -50,6 +51,8 @@ class TaskSpec:
     adapter: str | None = None
 
     def __post_init__(self) -> None:
+        if not is_task_name(self.name):
+            raise SpecError(f"{self.name!r:.60} is not a task name: {TASK_NAME_RULE}")
         if self.fusion is not None and self.adapter is not None:
             raise SpecError(f"task '{self.name}': give either 'fusion' or 'adapter', not both")
 
@@ -186,6 +189,8 @@ def load_spec(path: str | Path) -> ModelSpec:
     tasks: dict[str, TaskSpec] = {}
     for name, body in raw_tasks.items():
         name = str(name)
+        if not is_task_name(name):
+            raise SpecError(f"{spec_path}: tasks.{name}: {name!r:.60} is not a task name: {TASK_NAME_RULE}")
         if not isinstance(body, dict):
             raise SpecError(f"{spec_path}: tasks.{name} must be a mapping with keys {sorted(_TASK_KEYS)}")
         bad = set(body) - _TASK_KEYS

@@ -7,13 +7,11 @@ the default model's exported artifact to ``<root>/artifacts``.
 asks for as ``Authorization: Bearer KEY``; read by the server and by each replica from its own environment, so the
 key is never written into a config, an argument list Ray records, or a log.
 
-``FUSIONSERVE_LOOPBACK_SHIM``: a prebuilt loopback shim (``serving/process/loopback_bind.c`` compiled) for ``fusionserve serve``
-to preload into the Ray it starts, instead of building one with the system's C compiler (serving/process/loopback.py).
+``FUSIONSERVE_LOOPBACK_SHIM``: a build of the loopback shim (``serving/process/loopback_bind.c``) for ``fusionserve serve``
+to preload into the Ray it starts, instead of the one built with the package (serving/process/loopback.py).
 
 ``FUSIONSERVE_OPEN_PORTS``: set by ``fusionserve serve`` for the Ray it starts, read by the shim itself: the ports
 (comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
-
-``CC``: the C compiler that builds the loopback shim, tried before ``cc``, ``gcc`` and ``clang`` on the PATH.
 
 OpenTelemetry's standard variables, as the tracing of ``fusionserve serve`` reads them (serving/api/tracing.py; the
 SDK's OTLP exporter reads the rest itself, headers and timeouts included): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
@@ -28,11 +26,11 @@ import os
 from pathlib import Path
 
 CACHE_ENV = "FUSIONSERVE_CACHE"
-# the loopback shim (serving/process/loopback.py): a prebuilt library to preload instead of building one; and the ports that
-# keep the wildcard address, set by the server for the Ray it starts and read by the shim itself (loopback_bind.c)
+# the loopback shim (serving/process/loopback.py): another build of it to preload; and the ports that keep the wildcard
+# address, set by the supervisor for the server it starts and read by the shim itself (loopback_bind.c)
 LOOPBACK_SHIM_ENV = "FUSIONSERVE_LOOPBACK_SHIM"
 OPEN_PORTS_ENV = "FUSIONSERVE_OPEN_PORTS"
-HANDOFF_ENV = "FUSIONSERVE_SERVER_HANDOFF"  # internal: a supervised server's options across its exec with the shim
+HANDOFF_ENV = "FUSIONSERVE_SERVER_HANDOFF"  # internal: what the supervisor hands the server process it starts
 
 
 def cache_root() -> Path:
@@ -52,11 +50,6 @@ def parse_keys(value: str) -> tuple[str, ...]:
 def api_keys(variable: str = API_KEY_ENV) -> tuple[str, ...]:
     """The API keys in ``$variable`` (see ``parse_keys``): none when it is unset or empty."""
     return parse_keys(os.environ.get(variable, ""))
-
-
-def c_compiler() -> str | None:
-    """``$CC`` (the C compiler the loopback shim is built with first), or None."""
-    return os.environ.get("CC") or None
 
 
 def otlp_env() -> dict[str, str]:

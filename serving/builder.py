@@ -31,17 +31,18 @@ from fusionserve.errors import FusionServeError
 
 from . import options
 from .api.grpc_ingress import transport_env
+from .api.metrics import METRICS_ENV
 from .api.schemas import Limits
 from .api.tei import check_default_task
 from .model.artifact import MANIFEST, load_artifact
-from .model.runtime import DEVICES, DeviceError, resolve_device
-from .options import default
+from .model.runtime import DeviceError, resolve_device
+from .options import ONGOING_FLOOR, default
+from .private import WORKER_NICENESS
 from .scheduler.batching import BatchLimits
 
 IMPORT_PATH = "fusionserve.serving.builder:app_builder"
 DEPLOYMENT = "fusionserve"
 SERVICER = "fusionserve.serving.api.grpc_ingress.add_servicer"  # for grpc_options
-METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # the replicas' metrics folder (AppArgs.metrics_dir), in their environment
 
 
 def check_ranges(values: dict[str, Any], flags: bool) -> None:
@@ -49,10 +50,6 @@ def check_ranges(values: dict[str, Any], flags: bool) -> None:
     a device not known, or an autoscaling range that does not hold; named as an option (``--max-batch-size``) when
     ``flags``, else as a builder argument (``max_batch_size``)."""
     options.check_ranges(values, flags)
-    device = values.get("device", "auto")
-    if device not in DEVICES:
-        shown = "--device" if flags else "device"
-        raise FusionServeError(f"{shown} = '{device}' is not known; allowed: {', '.join(DEVICES)}")
     low, high, fixed = values.get("min_replicas"), values.get("max_replicas"), values.get("replicas", default("replicas"))
     if (low is None) != (high is None):
         raise FusionServeError(_named("autoscaling needs both min_replicas and max_replicas", flags))
@@ -102,7 +99,7 @@ class AppArgs(BaseModel):
     max_body_bytes: int = default("max_body_bytes")
     body_timeout_s: float = default("body_timeout_s")
     threads: int | None = default("threads")  # per replica; default: this machine's CPUs / (max) replicas
-    device: str = "auto"
+    device: str = default("device")
     gpus_per_replica: float | None = default(
         "gpus_per_replica"
     )  # GPUs each CUDA replica reserves; default: spread over the GPUs Ray sees now
@@ -148,9 +145,6 @@ class AppArgs(BaseModel):
 
     def request_limits(self) -> Limits:
         return Limits(self.max_inputs, self.max_body_bytes, self.body_timeout_s)
-
-
-ONGOING_FLOOR = 1024  # default max_ongoing_requests of a replica: see AppArgs.ongoing_per_replica
 
 
 def placement(device: str, gpus: float | None, replicas: int) -> tuple[str, float]:
@@ -211,7 +205,7 @@ def app_builder(args: AppArgs) -> Any:
         "num_cpus": args.threads_per_replica,
         # Ray starts workers at nice 15: a replica would lose every core to anything else on its node
         # and the replica's own gRPC server refuses a message over the size limit before reading it
-        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, "RAY_worker_niceness": "0", **transport_env(args.max_body_bytes)}},
+        "runtime_env": {"env_vars": {METRICS_ENV: metrics_dir, **WORKER_NICENESS, **transport_env(args.max_body_bytes)}},
     }
     if gpus > 0:  # a GPU is asked for only when the replica runs on one (Ray then sets CUDA_VISIBLE_DEVICES)
         options["num_gpus"] = gpus

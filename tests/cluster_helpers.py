@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusionserve.serving.process.ingress import free_port, ingress_env
+from fusionserve.serving.process.ingress import ingress_env
+from fusionserve.serving.process.ports import free_port
 from tests.serving_helpers import descendants
 
 RAY = str(Path(sys.executable).with_name("ray"))

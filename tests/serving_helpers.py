@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.serving.process.ingress import free_port
+from fusionserve.serving.process.ports import free_port
 
 
 def mutations(good: bytes, count: int, most_edits: int, seed: int = 0) -> list[bytes]:

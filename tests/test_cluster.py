@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fusionserve.serving.process.ingress import free_port
+from fusionserve.serving.process.ports import free_port
 from tests import cluster_helpers as ch
 from tests.adapterhub_models import SENTENCES
 from tests.serving_helpers import Served, stop

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from fusionserve.serving.process.haproxy_rules import BINARY_ENV, real_haproxy, write_wrapper
+from fusionserve.serving.private import HAPROXY_BINARY_ENV as BINARY_ENV
+from fusionserve.serving.process.haproxy_rules import real_haproxy, write_wrapper
 
 
 def test_a_removed_wrapper_of_an_earlier_server_is_not_taken_for_the_binary(tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ def test_cpu_image_serves_from_its_entrypoint_as_non_root_without_torch(image, t
             uids = {pid: uid_of(pid) for pid in {server} | descendants(server)}  # Ray's processes, HAProxy, replicas
             assert len(uids) > 1 and set(uids.values()) - {None} == {USER_UID}, uids
             # the entrypoint's --host 0.0.0.0 opens the serving port only: Ray's and HAProxy's other listeners stay
-            # on loopback through the shim the image built (FUSIONSERVE_LOOPBACK_SHIM), without a compiler in it
+            # on loopback through the shim built into the wheel the image installed, without a compiler in it
             found = listeners_once_up(server, {port})
             outside = sorted({(name, ip, p) for name, ip, p in found if not is_loopback(ip)})
             assert len(found) > 10 and [p for _, _, p in outside] == [port], (outside, sorted(found))

@@ -20,8 +20,9 @@ PACKAGES = {"fusionserve": "fusionserve", "cli": "fusionserve.cli", "export": "f
             "serving": "fusionserve.serving", "scoring": "fusionserve.scoring", "training": "fusionserve.training"}  # fmt: skip
 BASE = {"fusionserve", "fusionserve.errors", "fusionserve.settings"}
 # serving's light contracts: what the artifact is and how to run it, usable without the HTTP server
-# (serving/model/: the artifact, its revisions and tables, tokenizing, the runtime; and joining Ray, for score --ray)
-CONTRACTS = {"fusionserve.serving.model", "fusionserve.serving.process.cluster"}
+# (serving/model/: the artifact, its revisions and tables, tokenizing, the runtime; joining Ray, for score --ray; and
+# serving/options.py, standard library only, for the rule every task name follows)
+CONTRACTS = {"fusionserve.serving.model", "fusionserve.serving.options", "fusionserve.serving.process.cluster"}
 SERVING = "fusionserve.serving"
 # layer -> what it may import besides itself and the base
 ALLOWED = {
@@ -77,7 +78,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 # serving/'s parts, bottom to top: a module imports its own part and the parts below it, never one above
-SERVING_PARTS = [f"{SERVING}.{p}" for p in ("options", "model", "scheduler", "api", "builder", "process")]
+SERVING_PARTS = [f"{SERVING}.{p}" for p in ("options", "private", "model", "scheduler", "api", "builder", "process")]
 
 
 def _part(module: str) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,8 +31,9 @@ from tests.serving_helpers import (
     new_mark,
 )
 
-HAS_COMPILER = any(shutil.which(c) for c in loopback.COMPILERS)
-needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler (cc, gcc, clang) to build the loopback shim")
+needs_shim = pytest.mark.skipif(
+    loopback.packaged() is None, reason="fusionserve was installed without its loopback shim (no C compiler then)"
+)
 TEXT = {"task": "rte", "inputs": ["a fine film"]}
 
 # binds each socket the way a server does and prints what the kernel bound (getsockname: the shim does not lie)
@@ -61,13 +61,13 @@ print(json.dumps(out))
 """
 
 
-@needs_compiler
+@needs_shim
 def test_the_shim_moves_wildcard_tcp_binds_to_loopback_and_nothing_else(tmp_path):
     """A TCP bind to 0.0.0.0 lands on 127.0.0.1, to :: on ::ffff:127.0.0.1 (dual-stack: IPv4 clients still reach it)
     or ::1 (IPv6 only); UDP, explicit addresses and an open port keep what they asked for; a failing bind keeps its
     errno. Without the shim every one of them is on every interface."""
-    library = loopback.build_shim(tmp_path / "native")
-    assert loopback.build_shim(tmp_path / "native") == library  # built once, by the source's hash
+    library = loopback.packaged()  # built with the package (pyproject.toml: ext-modules)
+    assert library is not None and loopback.find_shim() == loopback.Shim(library)
     port = free_port("0.0.0.0")
     code = [sys.executable, "-c", _BINDS, str(port)]
     plain = json.loads(subprocess.run(code, capture_output=True, text=True, check=True, timeout=60).stdout)
@@ -79,24 +79,22 @@ def test_the_shim_moves_wildcard_tcp_binds_to_loopback_and_nothing_else(tmp_path
                        "open_port": "0.0.0.0", "explicit": "127.0.0.1", "errno_in_use": 98}  # fmt: skip
 
 
-def test_without_a_compiler_the_server_is_told_what_stays_open(tmp_path, monkeypatch):
-    """No C compiler and no prebuilt shim: no error, one warning that names what stays on every interface and the two
-    ways out; a prebuilt shim that is not there is named as such."""
-    monkeypatch.setenv("FUSIONSERVE_CACHE", str(tmp_path))
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    monkeypatch.delenv("CC", raising=False)
+def test_without_the_shim_the_server_is_told_what_stays_open(tmp_path, monkeypatch):
+    """Installed where no C compiler was (the shim was not built) and no other build named: no error, one warning that
+    names what stays on every interface and the two ways out; a named build that is not there is named as such."""
+    monkeypatch.setattr(loopback, "packaged", lambda: None)
     monkeypatch.delenv("FUSIONSERVE_LOOPBACK_SHIM", raising=False)
     shim = loopback.find_shim()
-    assert shim.library is None and shim.problem is not None and "no C compiler" in shim.problem
+    assert shim.library is None and shim.problem is not None and "without its loopback shim" in shim.problem
     line = loopback.fallback_warning(shim.problem)
-    assert line.startswith("WARNING: no C compiler") and "\n" not in line
+    assert line.startswith("WARNING: fusionserve was installed without its loopback shim") and "\n" not in line
     assert all(word in line for word in ("GCS, raylet", "every interface", "C compiler", "FUSIONSERVE_LOOPBACK_SHIM"))
     monkeypatch.setenv("FUSIONSERVE_LOOPBACK_SHIM", str(tmp_path / "missing.so"))
     assert loopback.find_shim() == loopback.Shim(None, f"FUSIONSERVE_LOOPBACK_SHIM={tmp_path / 'missing.so'}: no such file")
 
 
-def test_the_server_options_survive_the_exec_with_the_shim(tmp_path):
-    """The supervised server execs itself afresh with the shim preloaded and rebuilds its options from JSON."""
+def test_the_server_options_survive_the_handoff_to_the_server_process(tmp_path):
+    """The supervisor hands the server process its options as JSON, and the shim's open ports."""
     cfg = ServerConfig(tmp_path, host="0.0.0.0", port=8123, grpc_port=9123, max_batch_size=8, min_replicas=1, max_replicas=2)
     again = ServerConfig(str(cfg.artifact), **json.loads(json.dumps(cfg.options())))
     assert again == cfg and again.app == cfg.app
@@ -155,7 +153,7 @@ def _only_the_serving_ports_beyond_loopback(served: Served, grpc_port: int, host
 
 
 @pytest.mark.slow
-@needs_compiler
+@needs_shim
 def test_with_host_127_0_0_1_nothing_listens_beyond_loopback(shared_server):
     """With --host 127.0.0.1 (the default: the shared server of conftest.py) nothing of the server's process tree
     listens outside loopback, and it answers HTTP and gRPC."""
@@ -163,7 +161,7 @@ def test_with_host_127_0_0_1_nothing_listens_beyond_loopback(shared_server):
 
 
 @pytest.mark.slow
-@needs_compiler
+@needs_shim
 def test_with_host_0_0_0_0_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marked):
     """With --host 0.0.0.0 only the HTTP and gRPC ports are outside loopback, and they answer HTTP and gRPC at the
     machine's own address."""

@@ -25,7 +25,7 @@ from fusionserve.cli.main import main
 from fusionserve.serving.api import fusionserve_pb2 as pb
 from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY, grpc_code
-from fusionserve.serving.process.ingress import free_port
+from fusionserve.serving.process.ports import free_port
 from tests import cluster_helpers as ch
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.serving_helpers import call, launch, stop

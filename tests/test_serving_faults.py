@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fusionserve.serving.process.ingress import port_holder
+from fusionserve.serving.process.ports import port_holder
 from tests.serving_helpers import (
     MARK_ENV,
     alive,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fusionserve.serving.process.ingress import port_holder
+from fusionserve.serving.process.ports import port_holder
 from tests.fault_helpers import CLIENTS, kill_haproxy, kill_raylet, kill_replica, processes, under_load
 from tests.serving_helpers import MARK_ENV, alive, carrying, free_port, launch, new_mark
 

@@ -345,7 +345,8 @@ def test_each_server_has_its_own_fallback_proxy_ports(tmp_path):
     """With HAProxy, Serve also starts a fallback proxy (HAProxy's backup server when no replica is up) on 8500 / 9500
     unless told otherwise, bound with port reuse: two servers on one machine both listened on 127.0.0.1:8500 (seen with
     ss), so one server's HAProxy could hand requests to the other server's model. Each server gets free ports of its own."""
-    from fusionserve.serving.process.ingress import ingress_env, port_holder
+    from fusionserve.serving.process.ingress import ingress_env
+    from fusionserve.serving.process.ports import port_holder
 
     first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     for key in ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"):
@@ -359,7 +360,8 @@ def test_each_server_has_its_own_replica_grpc_ports(tmp_path):
     with Serve's one default range, the first replica of every server on a machine listened on *:40000 (seen with ss:
     three servers' replicas on one port), and gRPC calls through one server's HAProxy reached the others' models (a
     call got another server's size limit). Each server's replicas take their gRPC ports from a free range of its own."""
-    from fusionserve.serving.process.ingress import ingress_env, port_holder
+    from fusionserve.serving.process.ingress import ingress_env
+    from fusionserve.serving.process.ports import port_holder
 
     first, second = ingress_env("haproxy", tmp_path / "first"), ingress_env("haproxy", tmp_path / "second")
     low, high = (int(first[f"RAY_SERVE_DIRECT_INGRESS_{e}_GRPC_PORT"]) for e in ("MIN", "MAX"))
@@ -372,7 +374,7 @@ def test_free_port_never_hands_out_one_port_twice_in_a_process(tmp_path):
     two of its components the same port ("Ray component metrics_export is trying to use a port number 29665 that is
     used by other components"), and a server's other ports may not fall in its replicas' gRPC range either."""
     code = (
-        "import json, sys; from pathlib import Path; from fusionserve.serving.process.ingress import free_port, ingress_env;"
+        "import json, sys; from pathlib import Path; from fusionserve.serving.process.ingress import ingress_env; from fusionserve.serving.process.ports import free_port;"
         "env = ingress_env('haproxy', Path(sys.argv[1]));"
         "print(json.dumps({'env': env, 'ports': [free_port() for _ in range(1500)]}))"
     )  # a process of its own: 1500 ports handed out here would be 1500 fewer for the other tests of this one

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fusionserve.serving.process.ingress import routed_replicas
+from fusionserve.serving.process.routing import routed_replicas
 from fusionserve.serving.process.server import APP_NAME
 from tests.adapterhub_models import SENTENCES
 from tests.serving_helpers import haproxy_config, serving

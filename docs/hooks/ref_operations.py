@@ -311,3 +311,25 @@ def extras_table() -> str:
         shown = ", ".join(f"`{p}`" for p in packages)
         rows.append(f"| `[{name}]` | {shown} | {cell(comments.get(name, ''))} |")
     return "\n".join(rows)
+
+
+def private_page() -> str:
+    """What fusionserve relies on in Ray, Serve and Serve's HAProxy beyond their public APIs: the table of
+    ``serving/private.py``'s docstring, its one home."""
+    from fusionserve.serving import private
+
+    intro, table = _split_private(private.__doc__ or "")
+    return "\n".join([
+        "# What fusionserve relies on in Ray and Serve",
+        GENERATED,
+        md(" ".join(intro.split())),
+        "",
+        table.strip(),
+        "",
+    ])  # fmt: skip
+
+
+def _split_private(doc: str) -> tuple[str, str]:
+    """(the prose before the table, the table) of serving/private.py's docstring."""
+    prose, _, table = doc.partition("\n| part |")
+    return prose, "| part |" + table

@@ -22,6 +22,7 @@ from ref_operations import (
     extras_table,
     metric_families,
     metrics_page,
+    private_page,
 )
 
 PAGES = {  # site path -> the function that writes it
@@ -31,6 +32,7 @@ PAGES = {  # site path -> the function that writes it
     "reference/metrics.md": metrics_page,
     "reference/errors.md": errors_page,
     "reference/environment.md": environment_page,
+    "reference/private.md": private_page,
 }
 __all__ = [
     "PAGES", "ROOT", "all_pages", "environment_variables", "error_types", "exception_classes", "extras_table",

@@ -40,6 +40,7 @@ from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
 ROW_EPS = 1e-10  # the smallest per-row scale: an all-zero row must not divide by zero
+MIN_OPSET = 13  # QuantizeLinear takes one scale per row (its axis) from opset 13 on
 CONTRIB = "com.microsoft"
 
 
@@ -53,6 +54,9 @@ def quantize_rows(graph: onnx.ModelProto, nodes: list[str]) -> list[str]:
     ordered: list[onnx.NodeProto] = []
     added: list[onnx.TensorProto] = []
     shared = _shared_constants(added)
+    opset = next((o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < MIN_OPSET:
+        raise ValueError(f"per-row int8 needs opset {MIN_OPSET} or later (QuantizeLinear per axis); the graph has {opset}")
     for n in graph.graph.node:
         if n.name not in wanted:
             ordered.append(n)
@@ -62,7 +66,7 @@ def quantize_rows(graph: onnx.ModelProto, nodes: list[str]) -> list[str]:
         w = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)  # (K, N)
         if w.ndim != 2:
             raise ValueError(f"{n.name}: per-row int8 takes a 2-D weight, got shape {w.shape}")
-        ordered += _rewrite(n, w, added, shared)
+        ordered += _rewrite(n, w, added, shared, axes_as_input=opset >= 18)
         made.append(f"{n.name}_int8")
     if len(made) != len(wanted):
         missing = sorted(wanted - {m.removesuffix("_int8") for m in made})
@@ -112,8 +116,11 @@ def zero_point_rows(wq: np.ndarray) -> np.ndarray:
     return out.astype(np.int8)
 
 
-def _rewrite(n: onnx.NodeProto, w: np.ndarray, added: list[onnx.TensorProto], c: dict[str, str]) -> list[onnx.NodeProto]:
-    """The nodes computing ``n``'s output per-row int8 (module docstring); their constants go to ``added``."""
+def _rewrite(
+    n: onnx.NodeProto, w: np.ndarray, added: list[onnx.TensorProto], c: dict[str, str], axes_as_input: bool
+) -> list[onnx.NodeProto]:
+    """The nodes computing ``n``'s output per-row int8 (module docstring); their constants go to ``added``. From opset
+    18 on, ReduceMax / ReduceMin take their axes as an input (``axes_as_input``), before as an attribute."""
     p, x, y = n.name, n.input[0], n.output[0]
     k, cols = w.shape
     wq, ws = weight_int8(w)
@@ -131,11 +138,17 @@ def _rewrite(n: onnx.NodeProto, w: np.ndarray, added: list[onnx.TensorProto], c:
         return oh.make_node(op, inputs, [out if out == y else f"{p}_{out}"], name=f"{p}_{out}" if out != y else p, **kw)
 
     t = f"{p}_"
+
+    def reduce(op: str, out: str) -> onnx.NodeProto:
+        if axes_as_input:
+            return node(op, [t + "rows", c["axis1"]], out, keepdims=0)
+        return node(op, [t + "rows"], out, axes=[1], keepdims=0)
+
     return [
         node("Shape", [x], "shape"),
         node("Reshape", [x, f"{p}_rows_k"], "rows"),  # (rows, K)
-        node("ReduceMax", [t + "rows"], "max", axes=[1], keepdims=0),  # (rows,)
-        node("ReduceMin", [t + "rows"], "min", axes=[1], keepdims=0),
+        reduce("ReduceMax", "max"),  # (rows,)
+        reduce("ReduceMin", "min"),
         node("Max", [t + "max", c["zero"]], "hi"),  # the range holds 0, so that 0 is exact
         node("Min", [t + "min", c["zero"]], "lo"),
         node("Sub", [t + "hi", t + "lo"], "range"),

@@ -26,6 +26,7 @@ from torch import nn
 from fusionserve.errors import SpecError
 from fusionserve.serving.model import revisions
 from fusionserve.serving.model.artifact import sha256
+from fusionserve.serving.model.files import rename_durable
 from fusionserve.serving.model.revisions import TASK_FILES
 from fusionserve.serving.model.tables import TABLE_PREFIX, save_slices, table_specs
 
@@ -158,7 +159,7 @@ def write_task_file(folder: Path, name: str, slices: dict[str, np.ndarray]) -> t
     save_slices(tmp, slices)
     digest = sha256(tmp)
     final = folder / TASK_FILES / f"{name}.{digest[:12]}.npz"
-    tmp.replace(final)
+    rename_durable(tmp, final)  # on disk, its name too, before any revision names it
     return f"{TASK_FILES}/{final.name}", digest
 
 

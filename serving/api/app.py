@@ -24,7 +24,6 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusionserve import __version__
-from fusionserve.errors import FusionServeError
 
 from ..model import revisions
 from ..model.artifact import MANIFEST, ArtifactError, load_artifact, sha256
@@ -38,7 +37,7 @@ from .auth import CHALLENGE, UNAUTHORIZED, KeyCheck, header, is_open
 from .bodies import read_body
 from .classify import Classifier, describe_tasks, log, log_unexpected, parse_json
 from .grpc_ingress import classify_grpc, record_call_deadlines
-from .metrics import Metrics
+from .metrics import METRICS_ENV, Metrics
 from .oip_grpc import OipGrpc
 from .openapi import describe
 from .schemas import JSON as _JSON
@@ -208,8 +207,8 @@ class FusionServe(OipGrpc):
         self.open_metrics = open_metrics
         check_default_task(artifact, default_task)
         self.default_task = default_task
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # each node's replicas pool their samples in their own copy
-            os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+        if os.environ.get(METRICS_ENV):  # each node's replicas pool their samples in their own copy
+            os.makedirs(os.environ[METRICS_ENV], exist_ok=True)
         # no spinning: between runs the cores belong to the HTTP side. On CUDA the runner binds reused device
         # buffers and pads batches to bucket lengths (see serving/model/runtime.py).
         runner = OnnxRunner(artifact, threads=threads or len(os.sched_getaffinity(0)), spin=False, device=device)
@@ -237,9 +236,10 @@ class FusionServe(OipGrpc):
                     self.stats.revision.set(self.runner.served.revision or 0)
                     self.stats.revision_loads.labels("loaded").inc()
                     log.info("now serving revision %s: %s", self.runner.served.revision, ", ".join(self.runner.artifact.tasks))
-            except FusionServeError as exc:
+            except Exception as exc:  # a bad revision, or the file system (EIO, ESTALE on NFS, EACCES): never the end of it
                 self.stats.revision_loads.labels("failed").inc()
-                log.error("revision not loaded, still serving revision %s: %s", self.runner.served.revision, exc)
+                log.error("revision not loaded, still serving revision %s: %s: %s", self.runner.served.revision,
+                          type(exc).__name__, exc)  # fmt: skip
                 time.sleep(_REVISION_POLL_S * 10)  # the same failure, checked again a little later
 
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -253,8 +253,7 @@ class FusionServe(OipGrpc):
             self.stats.revision_loads.labels("loaded").inc()
 
     def _on_batch(self, batch: BatchStats) -> None:
-        tasks = self.runner.artifact.tasks  # a task removed meanwhile reports its activations without adapter names
-        self.stats.observe_batch(batch, lambda task: tasks[task].adapters if task in tasks else ())
+        self.stats.observe_batch(batch)  # labelled with the batch's own revision's adapters (serving/scheduler/results.py)
 
     # --- routes ---------------------------------------------------------------------------------------------
 

@@ -11,13 +11,14 @@ deserializer as UNKNOWN. A message over the size limit is refused by gRPC as it 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from .. import private
 from ..model.heads import QA_OPTIONS
+from ..private import GRPC_MESSAGE_SIZE_ENV, serve_env
 from . import fusionserve_pb2 as pb
 from . import oip_grpc
 from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
@@ -36,7 +37,6 @@ __all__ = [
     "record_call_deadlines",
 ]
 SERVICE = "fusionserve.v1.Classifier"
-MESSAGE_SIZE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC servers' message limit, read when they start
 TRANSPORT_FLOOR_BYTES = 4 * 1024 * 1024  # gRPC's own default: room for the answers, which share the limit
 
 
@@ -46,7 +46,7 @@ def transport_env(max_body_bytes: int) -> dict[str, str]:
     message was read whole into the replica). Messages over ``max_body_bytes`` but under the cap are refused by
     ``classify_grpc`` (INVALID_ARGUMENT, ``body_too_large``); the cap is never under 4 MiB, as Serve uses the same
     setting for the answers it sends."""
-    return {MESSAGE_SIZE_ENV: str(max(max_body_bytes, TRANSPORT_FLOOR_BYTES))}
+    return serve_env({GRPC_MESSAGE_SIZE_ENV: max(max_body_bytes, TRANSPORT_FLOOR_BYTES)})
 
 
 def add_servicer(servicer: Any, server: Any) -> None:
@@ -191,22 +191,6 @@ async def classify_grpc(
 
 
 def record_call_deadlines() -> None:
-    """In a replica: keep each gRPC call's own deadline (the client's timeout, sent as ``grpc-timeout``) on the
-    context Serve hands ``Classify``, as ``CALL_DEADLINE``. Serve's RayServegRPCContext copies the metadata, peer and
-    codes of the real gRPC context but not ``time_remaining()``; this wraps its constructor in this process (a
-    private API) to read it when the call arrives. A context without it (no deadline, or Serve changed) leaves the
-    request without one."""
-    from ray.serve import grpc_util
-
-    cls = grpc_util.RayServegRPCContext
-    original = cls.__init__
-    if getattr(original, "__wrapped__", None) is not None:  # patched already (a second replica in this process)
-        return
-
-    def __init__(self: Any, grpc_context: Any) -> None:
-        original(self, grpc_context)
-        remaining = getattr(grpc_context, "time_remaining", lambda: None)()
-        setattr(self, CALL_DEADLINE, None if remaining is None else time.monotonic() + remaining)
-
-    __init__.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[method-assign]
+    """In a replica: keep each gRPC call's own deadline on the context Serve hands ``Classify``, as ``CALL_DEADLINE``
+    (``private.record_call_deadlines``: Serve's context does not carry it)."""
+    private.record_call_deadlines(CALL_DEADLINE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,8 +31,11 @@ _ACT_SUM = "fusionserve_fusion_activation_weight_sum"
 _ACT_INPUTS = "fusionserve_fusion_activation_inputs"
 
 
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess folder, in each replica's environment
+
+
 def _multiproc_dir() -> str | None:
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = os.environ.get(METRICS_ENV)
     return path if path and os.path.isdir(path) else None
 
 
@@ -144,11 +147,11 @@ class Metrics:
     def observe_dropped(self, reason: str) -> None:
         self._child(self.dropped, reason).inc()
 
-    def observe_batch(self, batch: BatchStats, adapters: Callable[[str], tuple[str, ...]]) -> None:
+    def observe_batch(self, batch: BatchStats) -> None:
         """One model call: called once per batch, not per request. A batch may mix tasks: its size, tokens, time and
-        mix are the batch's; inputs, truncations and activations are counted per task. The activation sums (a
-        counter per task, layer and adapter) are added up here and written out at most every ``FLUSH_S`` seconds,
-        and at every scrape."""
+        mix are the batch's; inputs, truncations and activations are counted per task, the activations under the
+        adapter names of the revision the batch ran on. The activation sums (a counter per task, layer and adapter)
+        are added up here and written out at most every ``FLUSH_S`` seconds, and at every scrape."""
         self._child(self.model_duration).observe(batch.model_ms / 1000)
         self._child(self.batch_size).observe(batch.inputs)
         self._child(self.batch_tokens).observe(batch.tokens)
@@ -160,7 +163,7 @@ class Metrics:
             if share.activation_sums is None:
                 continue
             with self._acts_lock:  # (layers, adapters), summed over the task's inputs in the batch
-                slot = self._acts.setdefault((task, adapters(task)), [0.0, 0])
+                slot = self._acts.setdefault((task, share.adapters), [0.0, 0])
                 slot[0] = slot[0] + share.activation_sums
                 slot[1] += share.inputs
                 if self._flusher is None:

@@ -29,7 +29,7 @@ import orjson
 
 from fusionserve.errors import FusionServeError
 
-from ..model.artifact import Artifact
+from ..model.artifact import Artifact, check_task
 from ..model.heads import CLASSIFICATION, head
 from .classify import parse_fields
 from .schemas import ClassifyRequest, HTTPError, describe_json_error
@@ -53,10 +53,7 @@ def check_default_task(artifact: Artifact, task: str | None) -> None:
     these routes cannot answer for (see ``unsupported``)."""
     if task is None:
         return
-    if task not in artifact.tasks:
-        raise FusionServeError(
-            f"default_task '{task}' is not a task of {artifact.folder}; known tasks: {', '.join(artifact.tasks)}"
-        )
+    check_task(artifact, task, "default_task")
     why = unsupported(task, head(artifact.tasks[task]))
     if why:
         raise FusionServeError(f"default_task: {why}")
@@ -103,7 +100,10 @@ def read_request(body: bytes, task: str) -> tuple[ClassifyRequest, bool, dict[st
         (set(data) - {"inputs", "parameters", *_OPTIONS}) | (set(params) - {"top_k", "function_to_apply", *_OPTIONS})
     )
     if unknown:
-        raise _bad(f"unknown field(s) {unknown}; allowed: inputs, parameters, top_k, function_to_apply, {', '.join(_OPTIONS)}")
+        raise _bad(
+            f"unknown field(s) {unknown}; allowed: inputs, parameters, {', '.join(_OPTIONS)}; in 'parameters': "
+            f"{', '.join(_OPTIONS)}, top_k, function_to_apply"
+        )
     options = {k: v for k, v in (data | params).items() if k in _OPTIONS and v is not None}
     inputs, batch = _inputs(data["inputs"])
     fields: dict[str, Any] = {"task": task, "inputs": inputs}

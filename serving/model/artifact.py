@@ -173,6 +173,13 @@ def task_entries(tasks: Any, path: Path) -> dict[str, TaskEntry]:
     return entries
 
 
+def check_task(artifact: Artifact, name: str, what: str) -> None:
+    """Raise ArtifactError unless ``name`` is a task of ``artifact``, naming ``what`` asked for it (an option) and the
+    tasks there are."""
+    if name not in artifact.tasks:
+        raise ArtifactError(f"{what} '{name}' is not a task of {artifact.folder}; known tasks: {', '.join(artifact.tasks)}")
+
+
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Add checksums of every file in ``folder`` (but the manifest) and write manifest.json last; returns what it wrote."""
     manifest = dict(manifest)

@@ -22,10 +22,12 @@ import fcntl
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fusionserve.errors import FusionServeError
+
+from .files import write_atomic
 
 REVISIONS = "revisions"
 TASK_FILES = "tasks"
@@ -76,15 +78,27 @@ def read(folder: Path, number: int) -> dict[str, Any]:
         raise RevisionError(f"{path}: revision {number} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RevisionError(f"{path}: not valid JSON: {exc}") from None
+    _check(doc, number, str(path))
+    return doc
+
+
+def _check(doc: Any, number: int, where: str) -> None:
+    """Raise RevisionError naming ``where`` and the field unless ``doc`` is revision ``number``'s document, every task
+    with its 'file' (one file in the artifact's tasks/ folder, as the manifest's files are confined to the artifact's
+    own) and its 'sha256'."""
     if not isinstance(doc, dict) or doc.get("revision") != number:
-        raise RevisionError(f"{path}: field 'revision' must be {number}")
+        raise RevisionError(f"{where}: field 'revision' must be {number}")
     tasks = doc.get("tasks")
     if not isinstance(tasks, dict) or not tasks:
-        raise RevisionError(f"{path}: field 'tasks' must name at least one task")
+        raise RevisionError(f"{where}: field 'tasks' must name at least one task")
     for name, t in tasks.items():
         if not isinstance(t, dict) or not all(isinstance(t.get(k), str) for k in ("file", "sha256")):
-            raise RevisionError(f"{path}: field 'tasks.{name}' must give its 'file' and 'sha256'")
-    return doc
+            raise RevisionError(f"{where}: field 'tasks.{name}' must give its 'file' and 'sha256'")
+        parts = PurePosixPath(t["file"]).parts
+        if len(parts) != 2 or parts[0] != TASK_FILES or parts[1] in (".", "..") or "\\" in t["file"]:
+            raise RevisionError(
+                f"{where}: field 'tasks.{name}.file' = {t['file']!r:.80}: must be a file in the artifact's {TASK_FILES}/ folder"
+            )
 
 
 def numbers(folder: Path) -> list[int]:
@@ -92,51 +106,37 @@ def numbers(folder: Path) -> list[int]:
     return sorted(int(p.stem) for p in (folder / REVISIONS).glob("[0-9]*.json") if p.stem.isdigit())
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
-    _sync_dir(path.parent)
-
-
-def _sync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(folder: Path, doc: dict[str, Any]) -> Path:
     """Write revision ``doc['revision']`` (not yet served: see ``publish``); returns its path."""
     (folder / REVISIONS).mkdir(exist_ok=True)
     doc = {**doc, "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     path = revision_path(folder, int(doc["revision"]))
-    _write_synced(path, (json.dumps(doc, indent=2) + "\n").encode())
+    write_atomic(path, (json.dumps(doc, indent=2) + "\n").encode())
     return path
 
 
 def publish(folder: Path, number: int) -> None:
     """Make revision ``number`` the one served: the pointer moves atomically."""
-    _write_synced(folder / REVISIONS / POINTER, f"{number}\n".encode())
+    write_atomic(folder / REVISIONS / POINTER, f"{number}\n".encode())
 
 
 class TasksLock:
-    """The one ``fusionserve tasks`` command allowed at a time on an artifact (an flock on revisions/lock, released
-    by the kernel if the process dies). Raises RevisionError at once when another holds it."""
+    """The one ``fusionserve tasks`` command (or replica installing a revision) allowed at a time on an artifact (an
+    flock on revisions/lock, released by the kernel if the process dies). Raises RevisionError at once when another
+    holds it, unless ``wait`` (then it waits for it: a replica's ``install``)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, wait: bool = False) -> None:
         self.path = folder / REVISIONS / _LOCK
+        self.wait = wait
         self._fd: int | None = None
 
     def __enter__(self) -> TasksLock:
+        if not self.path.parent.parent.is_dir():
+            raise RevisionError(f"{self.path.parent.parent}: no such artifact folder")
         self.path.parent.mkdir(exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
             os.close(fd)
@@ -170,7 +170,8 @@ def bundle(folder: Path, since: int = 0) -> dict[str, Any]:
 
 def install(folder: Path, config: dict[str, Any]) -> int:
     """Write a ``bundle`` into this node's copy of the artifact (each task file checked against the revision's sha256)
-    and publish it here when it is newer than what the node serves; returns its number. Raises RevisionError naming
+    and publish it here when it is newer than what the node serves; returns its number. Under the artifact's lock
+    (waiting for it): replicas of one node installing at once never publish out of order. Raises RevisionError naming
     the field or file that is wrong; nothing is published then."""
     number = config.get("revision")
     files = config.get("files")
@@ -184,18 +185,19 @@ def install(folder: Path, config: dict[str, Any]) -> int:
         doc = json.loads(blobs[name])
     except (KeyError, ValueError, TypeError) as exc:
         raise RevisionError(f"user_config: field 'files' must hold {name} and base64 task files ({exc})") from None
-    for task, t in doc.get("tasks", {}).items():
-        path = folder / t["file"]
-        data = blobs.get(t["file"]) if not path.is_file() else None
-        if not path.is_file() and data is None:
-            raise RevisionError(f"user_config: task '{task}' needs {t['file']}, which neither this node nor 'files' has")
-        if data is not None:
-            if hashlib.sha256(data).hexdigest() != t["sha256"]:
-                raise RevisionError(f"user_config: files.{t['file']}: checksum differs from revision {number}'s")
-            (folder / TASK_FILES).mkdir(exist_ok=True)
-            _write_synced(path, data)
-    _write_synced(folder / name, blobs[name])
-    read(folder, number)  # a malformed document fails here, before it is published
-    if not is_live(folder) or current(folder) < number:
-        publish(folder, number)
+    _check(doc, number, f"user_config: files.{name}")  # before anything is written where the document says
+    with TasksLock(folder, wait=True):
+        for task, t in doc["tasks"].items():
+            path = folder / t["file"]
+            data = blobs.get(t["file"]) if not path.is_file() else None
+            if not path.is_file() and data is None:
+                raise RevisionError(f"user_config: task '{task}' needs {t['file']}, which neither this node nor 'files' has")
+            if data is not None:
+                if hashlib.sha256(data).hexdigest() != t["sha256"]:
+                    raise RevisionError(f"user_config: files.{t['file']}: checksum differs from revision {number}'s")
+                (folder / TASK_FILES).mkdir(exist_ok=True)
+                write_atomic(path, data)
+        write_atomic(folder / name, blobs[name])
+        if not is_live(folder) or current(folder) < number:
+            publish(folder, number)
     return number

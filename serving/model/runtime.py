@@ -22,6 +22,7 @@ import onnxruntime as ort
 
 from fusionserve.errors import FusionServeError
 
+from ..options import DEVICES
 from . import revisions
 from .artifact import Artifact, TaskEntry, load_artifact
 from .binding import BindingPool, Bound
@@ -32,7 +33,6 @@ from .runner import Output
 from .tables import TaskTables, is_table, table_specs
 from .tokenize import Encoded, Encoder, bucket_length, bucket_lengths
 
-DEVICES = ("auto", "cpu", "cuda")
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 GPU_INSTALL = 'pip uninstall -y onnxruntime && pip install "fusionserve[gpu]"'

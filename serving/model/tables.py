@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from fusionserve.errors import FusionServeError
+
+from .files import write_atomic
 
 TABLE_PREFIX = "task."  # every table input's name starts with it
 _TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
@@ -52,13 +53,8 @@ def check_slices(slices: Mapping[str, np.ndarray], specs: Mapping[str, tuple[typ
 
 
 def save_slices(path: Path, slices: Mapping[str, np.ndarray]) -> None:
-    """Write one task's slices to ``path`` through a temporary name, synced to disk before the rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as fh:
-        np.savez(fh, **dict(slices))
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
+    """Write one task's slices to ``path`` whole, synced to disk with its folder (serving/model/files.py)."""
+    write_atomic(path, lambda fh: np.savez(fh, **dict(slices)))
 
 
 def load_slices(path: Path, digest: str | None = None) -> dict[str, np.ndarray]:

@@ -11,6 +11,8 @@ from typing import Any
 
 from fusionserve.errors import FusionServeError
 
+from ..private import WORKER_NICENESS
+
 _PROBE_S = 5.0  # an address where nothing answers: Ray itself would retry for minutes
 
 
@@ -34,7 +36,8 @@ def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[s
     if target is not None:
         _probe(target)
     else:  # Ray starts its workers at nice 15 (under the driver); a server's proxy and replicas are its main work
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        for name, value in WORKER_NICENESS.items():
+            os.environ.setdefault(name, value)
     try:
         level = logging.ERROR if quiet else logging.INFO
         ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level, runtime_env=runtime_env)

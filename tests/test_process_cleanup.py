@@ -1,0 +1,184 @@
+"""The process machinery's own faults: a server whose serving loop crashes exits non-zero (so that systemd's
+``Restart=on-failure`` restarts it) and leaves nothing; clean-up ends only the processes a run started (a ``tail -f``
+of its HAProxy config, or an embedding program's other children, are not the run's); each test ends only what it
+started, by pid."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.serving_helpers import MARK_ENV, carrying, free_port, haproxy_config, launch, new_mark
+
+# Loaded by every Python process of the server (PYTHONPATH): once the server's module is imported, its serving loop's
+# per-second check raises, as an unexpected error in the loop would.
+CRASH = textwrap.dedent(
+    """
+    import importlib.abc, importlib.util, sys
+
+    TARGET = "fusionserve.serving.process.server"
+
+    def _crash(*args, **kwargs):
+        raise RuntimeError("the serving loop crashed (made to, by tests/test_process_cleanup.py)")
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != TARGET:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module._ray_died = _crash
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
+    """
+)
+
+
+@pytest.fixture
+def marked():
+    mark = new_mark()
+    yield mark, dict(os.environ, **{MARK_ENV: mark})
+    for pid in carrying(mark):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_crash_of_the_serving_loop_exits_1_and_leaves_nothing(artifact, tmp_path, marked):
+    """An uncaught exception in the serving loop ended the supervised server with exit 0 (its exit code stayed 0
+    unless a start-up failure set it), so the supervisor exited 0 and Restart=on-failure did not restart it."""
+    mark, env = marked
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CRASH)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH")) if p)
+    served = launch(artifact, tmp_path / "serve.log", env=env, own_group=True)
+    folder = haproxy_config(served.proc.pid).parent.parent
+    try:
+        code = served.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 120 s after its serving loop crashed:\n{served.log.read_text()[-3000:]}")
+    text = served.log.read_text()
+    assert code == 1, text[-3000:]
+    assert "the serving loop crashed" in text, text[-3000:]
+    deadline = time.monotonic() + 30
+    while carrying(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not carrying(mark) and not folder.exists()
+
+
+def _fake_haproxy(folder: Path) -> subprocess.Popen:
+    """A stand-in for HAProxy started the way Serve starts it (``RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG``), through
+    the wrapper fusionserve writes into the run folder: a process whose command line names the config."""
+    from fusionserve.serving.process.haproxy_rules import write_wrapper
+
+    config = folder / "node" / "haproxy.cfg"
+    config.parent.mkdir()
+    config.write_text("frontend http_frontend\n    bind 127.0.0.1:1\n")
+    wrapper = write_wrapper(folder, [sys.executable, "-c", "import time; time.sleep(300)"], 10.0)
+    proc = subprocess.Popen([str(wrapper), "-db", "-f", str(config)])
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{proc.pid}/cmdline").read_text(errors="replace").startswith(sys.executable):  # exec'd
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return proc
+
+
+def _tail(folder: Path) -> subprocess.Popen:
+    return subprocess.Popen(["tail", "-f", str(folder / "node" / "haproxy.cfg")], stdout=subprocess.DEVNULL)
+
+
+def test_the_end_of_a_run_ends_its_haproxy_and_spares_a_tail_of_its_config():
+    """reap() ended every process of the user whose command line mentioned the run folder (an operator's ``tail -f``
+    of its haproxy.cfg), then SIGKILLed them after 3 s without checking who they were."""
+    from fusionserve.serving.process.runs import end_run, new_run_folder
+
+    folder = new_run_folder()
+    haproxy = _fake_haproxy(folder)
+    tail = _tail(folder)
+    try:
+        end_run(folder)
+        assert haproxy.wait(10) is not None
+        assert tail.poll() is None, "the tail of the run's haproxy.cfg was ended"
+        assert not folder.exists()
+    finally:
+        for proc in (haproxy, tail):
+            proc.kill()
+            proc.wait()
+
+
+def test_reaping_a_stale_run_folder_spares_a_tail_of_its_config(tmp_path):
+    """The same when the next start reaps a folder whose owners are all gone (both killed with kill -9)."""
+    from fusionserve.serving.process.runs import RUN_PREFIX, reap_stale, record
+
+    folder = tmp_path / f"{RUN_PREFIX}stale"
+    folder.mkdir()
+    owner = subprocess.Popen(["sleep", "300"])
+    record(folder, owners=[owner.pid])
+    haproxy = _fake_haproxy(folder)
+    tail = _tail(folder)
+    owner.kill()
+    owner.wait()
+    try:
+        assert reap_stale(tmp_path) == [folder]
+        assert haproxy.wait(10) is not None
+        assert tail.poll() is None, "the tail of the stale run's haproxy.cfg was ended"
+    finally:
+        for proc in (haproxy, tail):
+            proc.kill()
+            proc.wait()
+
+
+EMBEDDED = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, threading
+
+    from fusionserve.serving.process.server import ServerConfig, serve_forever
+
+    other = subprocess.Popen(["sleep", "300"])  # the embedding program's own child
+    real = sys.stderr
+
+
+    class Watch:  # stops the server (SIGINT, as Ctrl-C) once it says it serves
+        def write(self, text):
+            if "fusionserve: serving" in text:
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return real.write(text)
+
+        def __getattr__(self, name):  # fileno, flush, ...: the real stream's
+            return getattr(real, name)
+
+
+    sys.stderr = Watch()
+    serve_forever(ServerConfig(sys.argv[1], port=int(sys.argv[2])))
+    print("other child:", "alive" if other.poll() is None else f"ended ({other.returncode})", flush=True)
+    other.kill()
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_embedded_server_ends_none_of_its_callers_other_children(artifact, tmp_path, marked):
+    """serve_forever in the caller's own process recorded every descendant of that process as the run's, and its stop
+    ended them: a program embedding the server lost its other children."""
+    _, env = marked
+    script = tmp_path / "embed.py"
+    script.write_text(EMBEDDED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(artifact), str(free_port())],
+        capture_output=True, text=True, timeout=300, env=dict(env, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0"),
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and "fusionserve: serving" in done.stderr, done.stderr[-3000:]
+    assert "other child: alive" in done.stdout, done.stdout + done.stderr[-2000:]
