@@ -4,6 +4,7 @@ fused counts to expect come from the backbone's architecture (``backbone.py``)."
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import onnx
 import torch
 
 from fusionserve.errors import FusionServeError
+from fusionserve.serving.private import ORT_OPTIMIZER
 
 from .fusion import AdapterLayerBlock
 from .model import FusionModel
@@ -129,7 +131,7 @@ def optimize(raw: Path, out: Path, model: FusionModel, precision: str) -> Fusion
 
     fp16 keeps inputs and outputs in their types, and keeps Softmax (the fusion weights) in fp32; the fused
     kernels accumulate LayerNorm and attention in fp32 themselves."""
-    from onnxruntime.transformers.optimizer import optimize_model
+    optimize_model = importlib.import_module(ORT_OPTIMIZER).optimize_model  # outside ONNX Runtime's API: serving/private.py
 
     bb = model.backbone
     with warnings.catch_warnings():

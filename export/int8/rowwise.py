@@ -39,9 +39,11 @@ import onnx
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
+from fusionserve.serving.private import ROW_SCALE_GEMM
+
 ROW_EPS = 1e-10  # the smallest per-row scale: an all-zero row must not divide by zero
 MIN_OPSET = 13  # QuantizeLinear takes one scale per row (its axis) from opset 13 on
-CONTRIB = "com.microsoft"
+CONTRIB, ROW_SCALE_OP = ROW_SCALE_GEMM  # ONNX Runtime's contrib operator, A scale per row (serving/private.py)
 
 
 def quantize_rows(graph: onnx.ModelProto, nodes: list[str]) -> list[str]:
@@ -164,7 +166,7 @@ def _rewrite(
         node("Concat", [t + "q", t + "zp_cols"], "q_zp", axis=1),  # (rows, K + J) uint8
         node("Unsqueeze", [t + "scale", c["axis1"]], "row_scale"),  # (rows, 1)
         oh.make_node(
-            "MatMulIntegerToFloat",
+            ROW_SCALE_OP,
             [t + "q_zp", f"{p}_wq", t + "row_scale", f"{p}_wscale"],
             [t + "y_rows"],
             name=f"{p}_int8",
