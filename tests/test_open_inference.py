@@ -209,6 +209,28 @@ def test_bad_json_input_is_the_protocols_error(server, what, inputs, status, say
     assert headers["content-type"] == "application/json" and headers["x-fusionserve-error-type"]
 
 
+def _refused_count(port: int, status: int) -> float:
+    """fusionserve_request_duration_seconds' count of requests answered ``status`` (every task label: a request refused
+    while it is read has none, "-")."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("fusionserve_request_duration_seconds_count{") and f'status="{status}"' in line
+    )  # fmt: skip
+
+
+def test_a_refusals_metric_has_the_status_the_protocol_answered(server):
+    """The request-duration metric labels an OIP refusal with the 400 it answers, not the 422 /v1/classify answers."""
+    before = _refused_count(server.port, 400), _refused_count(server.port, 422)
+    empty = _infer_body([{**_TEXT, "data": ["a", " "]}])  # refused by the checks /v1/classify shares (its 422)
+    code, _, _ = request(server.port, "POST", "/v2/models/rte/infer", empty, AUTH)
+    assert code == 400
+    after = _refused_count(server.port, 400), _refused_count(server.port, 422)
+    assert after == (before[0] + 1, before[1]), (before, after)
+
+
 def _binary(texts: list[str], size: int | None = None, header_length: int | None = None) -> tuple[bytes, dict[str, str]]:
     raw = bytes_tensor(texts)
     head = _infer_body([{"name": "text", "datatype": "BYTES", "shape": [len(texts)],
