@@ -147,27 +147,30 @@ class Classifier:
         deadline: float | None = None,
         check: Callable[[Served], None] | None = None,
         traceparent: str | None = None,
+        answered_as: Callable[[int], int] = int,
     ) -> dict[str, Any] | HTTPError:
         """``read`` gets and parses the request (raising HTTPError for what it refuses); ``timeout`` is the
         X-Request-Timeout-Ms header's value, if any, and ``deadline`` a ``time.monotonic()`` instant set by the
         transport (a gRPC call's own deadline); the request's ``timeout_ms`` counts too: the earliest deadline wins,
         the timeouts counted from the moment it arrived. ``check`` sees the revision the request is answered from
         before it is queued (raising HTTPError to refuse it: a protocol's model version). ``traceparent``: the
-        caller's W3C trace context, continued by the request's trace (``where`` names its root span). Returns the
+        caller's W3C trace context, continued by the request's trace (``where`` names its root span). ``answered_as``:
+        the status a refusal's HTTP status is answered with by the protocol (the Open Inference Protocol's 400 for
+        422), which the metrics and the trace record. Returns the
         answer (one task's, or ``{"results": [...]}`` for several), or the refusal to send instead. Never raises,
         except CancelledError when the caller goes away (the request's rows not yet computed are dropped, and it is
         counted as dropped): an error of ours becomes a 500 refusal whose id is in the log."""
         trace_id = trace_id_of(traceparent) or (self.tracer.new_trace_id() if self.tracer is not None else None)
         if trace_id is None:
-            return await self._classify(read, where, timeout, deadline, check, None)
+            return await self._classify(read, where, timeout, deadline, check, None, answered_as)
         TRACE_ID.set(trace_id)  # this request's task: its log lines carry the id
         note_request(trace_id)
         trace = RequestTrace(where, traceparent, trace_id, time.perf_counter())
-        outcome = await self._classify(read, where, timeout, deadline, check, trace)
+        outcome = await self._classify(read, where, timeout, deadline, check, trace, answered_as)
         if self.tracer is not None:
             trace.answered_s = time.perf_counter()
             if isinstance(outcome, HTTPError):
-                trace.status, trace.error_type = outcome.status, outcome.reason
+                trace.status, trace.error_type = answered_as(outcome.status), outcome.reason
             else:
                 trace.status = 200
             self.tracer.record(trace)
@@ -181,6 +184,7 @@ class Classifier:
         deadline: float | None,
         check: Callable[[Served], None] | None,
         trace: RequestTrace | None,
+        answered_as: Callable[[int], int] = int,
     ) -> dict[str, Any] | HTTPError:
         started, arrived = time.perf_counter(), time.monotonic()
         task = "-"  # only known task names become metric labels
@@ -225,7 +229,7 @@ class Classifier:
         except (HTTPError, Overloaded, TooManyTokens, TooManyRows, InputError) as exc:
             err = _refusal(exc)
             self.stats.observe_rejected(err.reason)
-            self.stats.observe_request(task, err.status, time.perf_counter() - started)
+            self.stats.observe_request(task, answered_as(err.status), time.perf_counter() - started)
             return err
         except Exception as exc:  # a bug or a runtime failure: never a bare failure, always an id to find it in the log
             self.stats.observe_request(task, 500, time.perf_counter() - started)

@@ -40,10 +40,15 @@ def attach(replica: Any) -> None:
     _replica = replica
 
 
+def http_status(status: int) -> int:
+    """The status the protocol answers a refusal of ``status`` with: 400 for a request the checks refuse (422)."""
+    return 400 if status == 422 else status
+
+
 def error(status: int, reason: str, message: str, headers: dict[str, str] | None = None) -> Response:
     """The protocol's error body; a body that did not arrive whole closes the connection (as app.py's errors)."""
     extra = {ERROR_TYPE_HEADER: reason} | ({"connection": "close"} if status == 408 else {}) | (headers or {})
-    return Response(orjson.dumps({"error": message}), 400 if status == 422 else status, extra, media_type=JSON)
+    return Response(orjson.dumps({"error": message}), http_status(status), extra, media_type=JSON)
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -154,7 +159,7 @@ async def infer(replica: Any, request: Request, model: str, version: str) -> Res
 
     outcome = await core(
         read, f"POST /v2/models/{model}/infer", request.headers.get(TIMEOUT_HEADER), check=check,
-        traceparent=request.headers.get("traceparent"),
+        traceparent=request.headers.get("traceparent"), answered_as=http_status,
     )  # fmt: skip
     if isinstance(outcome, HTTPError):
         return error(outcome.status, outcome.reason, outcome.message)
