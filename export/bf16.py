@@ -28,8 +28,8 @@ import numpy as np
 from fusionserve.serving.model.cpu_flags import cpu_bf16_units
 from fusionserve.serving.model.openvino_runtime import compile_graph, device_capabilities, openvino_version
 
-from .int8.gate import gate_runs
-from .model import OUTPUT, FusionModel
+from .int8.gate import compare_grid
+from .model import FusionModel
 from .validate import BATCH_SIZES, SEQ_LENS, ParityError
 
 
@@ -73,12 +73,13 @@ class Bf16Report:
     def label_agreement(self) -> float:
         return self.agreeing / self.rows if self.rows else 1.0
 
-    def add(self, head: str, got: np.ndarray, want: np.ndarray, real: np.ndarray, where: str) -> None:
+    def add(self, head: str, want: np.ndarray, got: np.ndarray, real: np.ndarray, where: str) -> None:
         """One task's rows of a case: ``got`` / ``want`` its own output columns, (rows, labels) for a sequence-level head,
         (rows, seq, labels) for a token-level one, whose real tokens ``real`` (rows, seq) marks. What agrees is what a
         caller reads: a sequence-level row's label (a one-column head, regression or a multiple-choice pair's score, has
         no label: its value change alone is gated); a tagging row's label of each real token; a QA row's start and its
         end token (the argmax over its real tokens of each column)."""
+        got, want = got.astype(np.float64), want.astype(np.float64)
         if got.ndim == 3:
             if head == "question_answering":  # (rows, seq, 2) -> the chosen token of each column
                 masked = [np.where(real[..., None], x, -np.inf).argmax(axis=1) for x in (got, want)]
@@ -128,33 +129,10 @@ def check_bf16(
     bf16: Any, fp32: Any, model: FusionModel, max_seq_len: int, gate: Bf16Gate, progress: Callable[[int], None] | None = None
 ) -> Bf16Report:
     """Compare the bf16 session with the fp32 session for every task over the validation grid and over batches mixing
-    every task (``int8.gate.gate_runs``, as the int8 gate runs them). Raises Bf16GateError listing every figure that
+    every task (``int8.gate.compare_grid``, the int8 gate's cases). Raises Bf16GateError listing every figure that
     breaks ``gate``."""
     report = Bf16Report(gate)
-    wanted = {i.name for i in fp32.get_inputs()}
-    outputs = list(model.outputs)
-    infos = list(model.infos.values())  # task-index order
-    for what, task_id, cases in gate_runs(model, max_seq_len, wanted):
-        for batch, seq, feeds in cases:
-            feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-            want = dict(zip(outputs, fp32.run(outputs, feed), strict=True))
-            got = dict(zip(outputs, bf16.run(outputs, feed), strict=True))
-            rows = np.broadcast_to(task_id, (batch,))  # each row's task
-            real = feeds["attention_mask"] == 1  # (batch, seq)
-            where = f"{what}, batch {batch}, sequence {seq}"
-            for index in np.unique(rows):
-                info, pick = infos[index], rows == index
-                out, n = OUTPUT[info.level], len(info.labels)
-                a = got[out][pick][..., :n].astype(np.float64)  # each row's own task's columns
-                b = want[out][pick][..., :n].astype(np.float64)
-                report.add(info.head, a, b, real[pick], where)
-            real4 = real[:, None, :, None]  # (batch, 1, seq, 1)
-            acts = float(np.abs((got["fusion_activations"] - want["fusion_activations"]) * real4).max())
-            if acts >= report.max_fusion_activation_change:
-                report.max_fusion_activation_change, report.worst["fusion_activations"] = acts, where
-            report.cases += 1
-            if progress is not None:
-                progress(1)
+    compare_grid(bf16, fp32, model, max_seq_len, report, progress)
     bad = report.failures()
     if bad:
         raise Bf16GateError(

@@ -207,25 +207,21 @@ def gate_runs(model: FusionModel, max_seq_len: int, wanted: set[str]) -> list[tu
     return runs
 
 
-def check_int8(
-    int8: object,
-    fp32: object,
-    model: FusionModel,
-    max_seq_len: int,
-    gate: Int8Gate,
-    progress: Callable[[int], None] | None = None,
-) -> GateReport:
-    """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over the
-    validation grid, and over batches mixing every task (``gate_runs``; ``validate.count_cases`` counts them all).
-    Raises Int8GateError listing every figure that breaks ``gate``."""
-    report = GateReport(gate)
-    wanted = {i.name for i in fp32.get_inputs()}  # type: ignore[attr-defined]
+def compare_grid(
+    candidate: Any, fp32: Any, model: FusionModel, max_seq_len: int, report: Any, progress: Callable[[int], None] | None = None
+) -> None:
+    """Run ``candidate`` and ``fp32`` over ``gate_runs`` and hand each task's rows of each case to
+    ``report.add(head, want, got, real, where)`` (fp32's and the candidate's outputs of the task's level cut to its labels,
+    its real tokens); the largest fusion-activation change, the case count and ``worst`` are kept on ``report`` too.
+    The int8 gate and the bf16 gate (export/bf16.py) read the same cases this way."""
+    wanted = {i.name for i in fp32.get_inputs()}
+    outputs = list(model.outputs)
     infos = list(model.infos.values())  # task-index order
     for what, task_id, cases in gate_runs(model, max_seq_len, wanted):
         for batch, seq, feeds in cases:
             feed = {k: v for k, v in {**feeds, "task_id": task_id}.items() if k in wanted}
-            want = dict(zip(model.outputs, fp32.run(list(model.outputs), feed), strict=True))  # type: ignore[attr-defined]
-            got = dict(zip(model.outputs, int8.run(list(model.outputs), feed), strict=True))  # type: ignore[attr-defined]
+            want = dict(zip(outputs, fp32.run(outputs, feed), strict=True))
+            got = dict(zip(outputs, candidate.run(outputs, feed), strict=True))
             rows = np.broadcast_to(task_id, (batch,))  # each row's task
             where = f"{what}, batch {batch}, sequence {seq}"
             for index in np.unique(rows):
@@ -240,6 +236,21 @@ def check_int8(
             report.cases += 1
             if progress is not None:
                 progress(1)
+
+
+def check_int8(
+    int8: object,
+    fp32: object,
+    model: FusionModel,
+    max_seq_len: int,
+    gate: Int8Gate,
+    progress: Callable[[int], None] | None = None,
+) -> GateReport:
+    """Compare the int8 session with the fp32 session (both onnxruntime.InferenceSession) for every task over the
+    validation grid, and over batches mixing every task (``gate_runs``; ``validate.count_cases`` counts them all).
+    Raises Int8GateError listing every figure that breaks ``gate``."""
+    report = GateReport(gate)
+    compare_grid(int8, fp32, model, max_seq_len, report, progress)
     bad = report.failures()
     if bad:
         raise Int8GateError(
