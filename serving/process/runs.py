@@ -100,12 +100,13 @@ def recorded(folder: Path) -> list[list[int]]:
     return entries
 
 
-def end_run(folder: Path) -> list[int]:
-    """End the processes the run in ``folder`` recorded that still run (but this one), then remove the folder.
-    Returns the pids ended."""
+def end_run(folder: Path, remove: bool = True) -> list[int]:
+    """End the processes the run in ``folder`` recorded that still run (but this one), then remove the folder (unless
+    not ``remove``: a server starting again on fresh ports keeps it). Returns the pids ended."""
     left = [entry for entry in recorded(folder) if entry[0] != os.getpid() and running(entry)]
     end(left)
-    shutil.rmtree(folder, ignore_errors=True)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
     return [pid for pid, _ in left]
 
 
