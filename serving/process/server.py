@@ -311,6 +311,8 @@ class Server:
             if not (died and self.supervised):
                 say("shutting down")
                 self.stop()
+            elif self.supervisor != os.getppid():  # its supervisor is gone too: no one else ends what is left
+                end_run(self.folder)
         return 1 if died else 0
 
 
