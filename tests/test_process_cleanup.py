@@ -140,6 +140,54 @@ def test_reaping_a_stale_run_folder_spares_a_tail_of_its_config(tmp_path):
             proc.wait()
 
 
+# A server whose serving loop gets SIGTERM at the worst moment: the signal is raised (by the hook below) while the main
+# thread holds the lock of a threading.Condition, as it does for a few instructions of every Event.wait; Ray is not
+# started (start and stop stand in), the serving loop and its signal handling are the server's own.
+WORST_MOMENT = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from fusionserve.serving.process import server
+
+    serving = []
+    real = threading.Condition._is_owned
+
+    def _is_owned(self):  # called by Condition.wait with the condition's lock held
+        owned = real(self)
+        if serving and len(serving) == 1:
+            serving.append("sent")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return owned
+
+    threading.Condition._is_owned = _is_owned
+    server._ray_died = lambda: None
+    server.Server.start = lambda self, say, after_ray: serving.append("up") or "http://127.0.0.1:1"
+    server.Server.stop = lambda self: print("stopped", flush=True)
+    sys.exit(server.Server(server.ServerConfig(sys.argv[1])).serve_forever())
+    """
+)
+
+
+def test_a_signal_while_the_serving_loop_holds_a_lock_stops_the_server(artifact, tmp_path):
+    """The serving loop waited on a threading.Event that its SIGTERM handler set: a signal handled while the main thread
+    held the Event's lock (a few instructions of every wait, more often on a loaded machine) deadlocked the server
+    in its own handler. A server whose supervisor was killed then never stopped (never said "shutting down"), and
+    the restart was refused, its port still held ("already in use by pid N (haproxy ...)"). A second SIGTERM, as the
+    supervisor or the next start sends, did not help either."""
+    script = tmp_path / "worst_moment.py"
+    script.write_text(WORST_MOMENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(artifact)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(5)  # the hook's signal has come by now (the loop wakes every second), where the loop takes one
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # and another, as the next start's reap sends it
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the server did not stop on SIGTERM: {proc.communicate()[0].decode()[-2000:]}")
+    assert proc.returncode == 0, out.decode()[-2000:]
+    assert b"shutting down" in out and b"stopped" in out, out.decode()[-2000:]
+
+
 # a server that stops too slowly (Serve's replica drain, Ray's shutdown on a loaded machine) or not at all
 _STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
 

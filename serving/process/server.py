@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -292,14 +291,16 @@ class Server:
             _on_signals(lambda *_: None)
             self.stop()
             raise
-        done = threading.Event()
-        _on_signals(lambda *_: done.set())
+        # the handler only notes the signal: a handler that takes a lock (Event.set) deadlocked the server when the signal
+        # came while the main thread held that lock itself (inside Event.wait); it then never stopped
+        asked: list[int] = []
+        _on_signals(lambda signum, _frame: asked.append(signum))
         say(f"serving {self.cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops")
         died = False
         try:
-            # woken every second: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
-            # the handler only once it wakes (a plain wait() then never returns)
-            while not done.wait(1.0):
+            # woken every 0.1 s: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
+            # the handler only once it wakes; Ray's processes are checked every second
+            while not _sleep_unless(asked, 1.0):
                 dead = _ray_died()
                 if dead:
                     say(
@@ -319,6 +320,14 @@ class Server:
 def serve_forever(cfg: ServerConfig, run_folder: Path | None = None, supervised: bool = False) -> int:
     """``Server(cfg, run_folder, supervised).serve_forever()``: 0 after a clean stop, 1 when Ray died under it."""
     return Server(cfg, run_folder, supervised).serve_forever()
+
+
+def _sleep_unless(asked: list[int], seconds: float) -> bool:
+    """Sleep ``seconds``, in steps of 0.1 s, unless ``asked`` (the signals noted) has one; whether it has."""
+    deadline = time.monotonic() + seconds
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(asked)
 
 
 def _ray_died() -> str | None:
