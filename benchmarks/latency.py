@@ -12,7 +12,9 @@ machine noise hits all of them alike); the median over rounds after warm-up is r
 - ``fusion N=8, 4 tasks (ORT)``: the same graph serving 4 fusion tasks, selected by the task_id input
 - ``fusion N=8 int8 (ORT)``: the N=8 graph exported with ``--precision int8`` (``DEFAULT_OPTIONS``: every GEMM int8,
   weights one scale per output column, one activation scale per row in the backbone's attention output and FFN
-  GEMMs (export/int8/rowwise.py), QKV smoothed)
+  GEMMs and the adapters' down-projection (export/int8/rowwise.py), QKV smoothed)
+- ``fusion N=8 int8, adapters per-tensor (ORT)``: the default before issue 38, whose adapters' down-projection had one
+  activation scale per tensor (per batch)
 - ``fusion N=8 int8 per-tensor, FFN output fp32 (ORT)``: the default before issue 28's per-row activations (one
   activation scale per tensor, the FFN output GEMMs in fp32, QKV and FFN-in smoothed at alpha 0.5)
 - ``fusion N=8 int8 every GEMM per-tensor (ORT)``: every GEMM int8 with ONNX Runtime's per-tensor activation scales,
@@ -73,14 +75,15 @@ def _artifact(model: BenchModel, out: Path) -> Path:
 
 INT8_VARIANTS = {  # artifact key -> the variant's name in the tables (fusion N=8 ... (ORT))
     "n8-int8": "int8",
+    "n8-int8-adapters-tensor": "int8, adapters per-tensor",
     "n8-int8-tensor": "int8 per-tensor, FFN output fp32",
     "n8-int8-all": "int8 every GEMM per-tensor",
 }
 
 
 def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path]:
-    """The shipped int8 (``DEFAULT_OPTIONS``: every GEMM, per-row activations in the backbone's MatMuls), the default
-    before it (per-tensor activations, the FFN output GEMMs in fp32, QKV and FFN-in smoothed at alpha 0.5) and every GEMM
+    """The shipped int8 (``DEFAULT_OPTIONS``: every GEMM, per-row activations in the backbone's MatMuls and the adapters'
+    down-projection), the default before issue 38 (the adapters' down-projection per tensor), the default before that (per-tensor activations, the FFN output GEMMs in fp32, QKV and FFN-in smoothed at alpha 0.5) and every GEMM
     with per-tensor activations, unsmoothed (ONNX Runtime's quantizer alone). Their gate is off (thresholds 0 and 1):
     only timed here, benchmarks/int8_smooth.py measures what they do to labels. Calibration: the validation grid (the
     weights are random; timings do not depend on the scales)."""
@@ -91,6 +94,7 @@ def _int8_artifacts(model: BenchModel, fp32: Path, work: Path) -> dict[str, Path
     off = Int8Gate(0.0, 1.0)
     options = {
         "n8-int8": DEFAULT_OPTIONS,
+        "n8-int8-adapters-tensor": replace(DEFAULT_OPTIONS, adapter_rows=False, gate=off),
         "n8-int8-tensor": Int8Options(
             fp32_roles=("ffn_out",), gate=off, smooth_alpha=0.5, smooth_roles=("attention_qkv", "ffn_in"), activations="tensor"
         ),

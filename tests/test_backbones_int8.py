@@ -55,14 +55,14 @@ def test_int8_passes_its_gate_on_every_backbone(arch_built, arch_int8):
     assert 0 < gate["max_probability_change"] <= gate["thresholds"]["max_probability_change"]
     # every task at sequences 5 and 37 (ARCH_MAX_SEQ_LEN), and at each a batch of 8 rows cycling through the 4 tasks
     assert gate["rows"] == (len(TASKS) * sum(BATCH_SIZES) + BATCH_SIZES[-1]) * 2
-    # per layer the attention output and both FFN GEMMs (per-row activations), and at every fusion layer (one or two
-    # per layer: all hold adapters) the adapters' stacked down-projection (per tensor): every GEMM by default
+    # per layer the attention output and both FFN GEMMs, and at every fusion layer (one or two per layer: all hold
+    # adapters) the adapters' stacked down-projection, all with per-row activations: every GEMM by default
     sites = len(manifest["fusion_layers"])
     assert q["quantized"] == {"MatMul": 3 * LAYERS + sites, "Attention": LAYERS}
     assert "backbone GEMMs" not in q["kept_fp32"] and q["fp32_roles"] == []
     ops = Counter(n.op_type for n in onnx.load(str(arch_int8 / MODEL_FILE), load_external_data=False).graph.node)
     assert ops["QAttention"] == LAYERS and ops["Attention"] == 0
-    assert ops["MatMulIntegerToFloat"] == 3 * LAYERS and ops["MatMulInteger"] == sites
+    assert ops["MatMulIntegerToFloat"] == 3 * LAYERS + sites and ops["MatMulInteger"] == 0
 
 
 def _source(params: dict[str, np.ndarray], weight: np.ndarray) -> list[str]:

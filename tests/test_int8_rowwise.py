@@ -1,6 +1,8 @@
 """Per-row int8 activations (``export/int8/rowwise.py``): the rewritten MatMul answers as the fp32 one within int8's error,
 a row's answer does not depend on the other rows of its batch (an outlier token costs only its own row), an all-zero
-row stays zero, and the export quantizes the backbone's GEMMs that way and gates them, mixed batches included."""
+row stays zero, and the export quantizes the backbone's GEMMs and the adapters' down-projections that way (each
+adapter GEMM's output as numpy computes per-row int8 from the fp32 graph's weight) and gates them, mixed batches
+included."""
 
 from collections import Counter
 
@@ -12,11 +14,12 @@ from onnx import helper as oh
 
 from fusionserve.export.build import build_model
 from fusionserve.export.int8.gemm_roles import ROW_ROLES
-from fusionserve.export.int8.quantize import Int8Options, backbone_roles
+from fusionserve.export.int8.quantize import Int8Options, adapter_gemms, backbone_roles
 from fusionserve.export.int8.rowwise import quantize_rows, weight_int8, zero_point_rows
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, count_cases
 from fusionserve.serving.model.artifact import load_artifact
+from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import make_session
 from tests.adapterhub_models import TASKS
 from tests.export_helpers import _cli
@@ -118,7 +121,9 @@ def test_quantize_rows_refuses_what_it_cannot_rewrite():
         quantize_rows(oh.make_model(graph), ["missing"])
 
 
-def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, artifacts, tmp_path, capsys, monkeypatch, caplog):
+def test_export_quantizes_backbone_and_adapter_gemms_per_row_and_gates_it(
+    built_st, artifacts, tmp_path, capsys, monkeypatch, caplog
+):
     art = tmp_path / "int8"
     argv = ["export", built_st.spec, "--out", art, "--precision", "int8", "--max-seq-len", MAX_SEQ_LEN]
     code, _, err = _cli(capsys, *argv, "--int8-fp32", "none", "--int8-activations", "row")
@@ -128,11 +133,16 @@ def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, art
     assert "one scale and zero point per row" in record["quantization"]["activations"]
     graph = onnx.load(str(art / "model.onnx"))
     ops = Counter(n.op_type for n in graph.graph.node)
-    # per layer: attention output and both FFN GEMMs per row; QKV stays ONNX Runtime's QAttention (per tensor)
-    assert ops["MatMulIntegerToFloat"] == len(ROW_ROLES) * LAYERS
-    assert ops["QAttention"] == LAYERS
-    fp32_roles = backbone_roles(onnx.load(str(artifacts.fp32 / "model.onnx"), load_external_data=False))
+    fp32 = onnx.load(str(artifacts.fp32 / "model.onnx"))
+    adapters = adapter_gemms(fp32)  # the adapters' stacked down-projection, one per adapter site
+    assert len(adapters) == LAYERS
+    # per layer: attention output, both FFN GEMMs and the adapters' down-projection per row; QKV stays ONNX Runtime's
+    # QAttention (per tensor); no GEMM is left to ONNX Runtime's per-tensor DynamicQuantizeMatMul (the adapters' were)
+    assert ops["MatMulIntegerToFloat"] == len(ROW_ROLES) * LAYERS + len(adapters)
+    assert ops["QAttention"] == LAYERS and ops["DynamicQuantizeMatMul"] == 0
+    fp32_roles = backbone_roles(fp32)
     assert {r for _, r in fp32_roles.values()} - set(ROW_ROLES) == {"attention_qkv"}
+    _adapter_gemms_match_numpy(fp32, graph, adapters, art)
     gate = record["gate"]  # over the grid for every task and the batches mixing every task row by row
     model = build_model(load_spec(built_st.spec))
     assert gate["cases"] == count_cases(model, MAX_SEQ_LEN) and gate["rows"] == len(TASKS) * sum(BATCH_SIZES) + 8
@@ -142,8 +152,48 @@ def test_export_quantizes_every_backbone_gemm_per_row_and_gates_it(built_st, art
         code == 0
         and f"activations: uint8, asymmetric, one scale and zero point per row (token) computed at run time in {len(ROW_ROLES) * LAYERS} backbone GEMMs"
         in out
+        and f"and {len(adapters)} adapter-path GEMMs" in out
     )
     _warned_on_a_cpu_without_vnni(art, artifacts, tmp_path, monkeypatch, caplog)
+
+
+def _per_row_int8(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """numpy's per-row int8 of ``x`` (rows, K) @ ``w`` (K, N): each row's asymmetric uint8 scale and zero point over
+    its range (0 included), the weight symmetric int8 with one scale a column, the product in integers."""
+    hi, lo = np.maximum(x.max(1), 0), np.minimum(x.min(1), 0)
+    s = np.maximum((hi - lo) / 255, 1e-10).astype(np.float32)
+    z = np.round(-lo / s)
+    xq = np.clip(np.round(x / s[:, None]) + z[:, None], 0, 255)
+    ws = np.abs(w).max(0) / 127
+    ws = np.where(ws > 0, ws, 1)  # an all-zero column (a padded adapter slot) stays zero
+    wq = np.clip(np.round(w / ws), -127, 127)
+    return ((xq - z[:, None]) @ wq) * s[:, None] * ws
+
+
+def _adapter_gemms_match_numpy(fp32: onnx.ModelProto, int8: onnx.ModelProto, adapters: set[str], art) -> None:
+    """Each adapter GEMM of the int8 graph, fed the real activations of a padded batch, answers as numpy's per-row int8
+    of its input with the fp32 graph's weight."""
+    import onnxruntime as ort
+
+    from fusionserve.serving.model.runtime import OnnxRunner
+
+    weights = {t.name: numpy_helper.to_array(t) for t in fp32.graph.initializer}
+    nodes = {n.name: n for n in fp32.graph.node if n.name in adapters}
+    names = [t for n in nodes.values() for t in (n.input[0], n.output[0])]
+    int8.graph.output.extend(oh.make_empty_tensor_value_info(t) for t in names)
+    session = ort.InferenceSession(int8.SerializeToString(), providers=["CPUExecutionProvider"])
+    runner = OnnxRunner(art, threads=1, device="cpu")
+    enc = runner.encoder.encode([TextInput("a short one"), TextInput("the movie was great and the plot is not boring " * 3)])
+    wanted = {i.name for i in session.get_inputs()}
+    feeds = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "token_type_ids": enc.token_type_ids}
+    feeds = {k: v for k, v in {**feeds, "task_id": np.array([0], np.int64)}.items() if k in wanted}
+    got = dict(zip(names, session.run(names, feeds), strict=True))
+    for name, n in nodes.items():
+        x, y = got[n.input[0]], got[n.output[0]]
+        want = _per_row_int8(x.reshape(-1, x.shape[-1]), weights[n.input[1]]).reshape(y.shape)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=name)
+        exact = x.reshape(-1, x.shape[-1]) @ weights[n.input[1]]  # and it is int8's answer, not fp32's
+        assert np.abs(y.reshape(exact.shape) - exact).max() > 1e-5, name
 
 
 def _warned_on_a_cpu_without_vnni(art, artifacts, tmp_path, monkeypatch, caplog) -> None:

@@ -93,8 +93,8 @@ def test_cli_int8_smoothed_every_gemm_is_gated_and_inspect_shows_it(built_st, ca
     assert (smooth["gemms"], smooth["inverse_in_v_columns"], smooth["inverse_as_mul"]) == (LAYERS, 0, LAYERS)
     assert q["quantized"] == {"MatMul": 4 * LAYERS, "Attention": LAYERS} and q["kept_fp32"]["smoothing Mul"]["count"] == 3
     ops = Counter(n.op_type for n in onnx.load(str(art / "model.onnx")).graph.node)
-    assert ops["QAttention"] == LAYERS  # quantized from the smoothed graph: the adapters per tensor, the rest per row
-    assert ops["MatMulInteger"] == LAYERS and ops["MatMulIntegerToFloat"] == 3 * LAYERS
+    assert ops["QAttention"] == LAYERS  # quantized from the smoothed graph: QKV per tensor, every MatMul per row
+    assert ops["MatMulInteger"] == 0 and ops["MatMulIntegerToFloat"] == 4 * LAYERS
 
     code, out, _ = _cli(capsys, "inspect", art)
     assert code == 0

@@ -50,14 +50,17 @@ def _weights_by_type(model: onnx.ModelProto) -> Counter[str]:
     return out
 
 
-def _activations(options: Any, rows: int) -> str:
-    """How the int8 graph's activations are quantized: the method's way, and per row in the ``rows`` GEMMs rowwise.py
-    made."""
+def _activations(options: Any, rows: list[str]) -> str:
+    """How the int8 graph's activations are quantized: the method's way, and per row in the GEMMs ``rows`` (names)
+    rowwise.py made: the backbone's, and the adapter path's (named ADAPTER_NODES...)."""
     if not rows:
         return METHOD_RECORDS[options.method][1]
+    adapters = sum(n.startswith(ADAPTER_NODES) for n in rows)
+    where = f"{len(rows) - adapters} backbone GEMMs (the attention output and both feed-forward GEMMs of every layer quantized)"
+    if adapters:
+        where += f" and {adapters} adapter-path GEMMs (the adapters' stacked down-projections; in a one-task graph the folded fusion matrices too)"
     return (
-        f"uint8, asymmetric, one scale and zero point per row (token) computed at run time in {rows} backbone GEMMs "
-        "(the attention output and both feed-forward GEMMs of every layer quantized); "
+        f"uint8, asymmetric, one scale and zero point per row (token) computed at run time in {where}; "
         + METHOD_RECORDS["dynamic"][1]
         + " in the rest"
     )
@@ -98,7 +101,7 @@ def describe(
         "weights": ("int7 (reduce_range)" if options.reduce_range else "int8")
         + ", symmetric, "
         + ("one scale per output column" if options.per_channel else "one scale per tensor"),
-        "activations": _activations(options, len(rows or [])),
+        "activations": _activations(options, rows or []),
         "adapter_path": options.adapter_path,
         "fp32_roles": list(options.fp32_roles),
         "fp32_layers": list(options.fp32_layers),

@@ -43,6 +43,7 @@ from .gate import GateReport, Int8Gate, Int8GateError, check_int8
 from .gemm_roles import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,
+    DEFAULT_ADAPTER_ROWS,
     DEFAULT_FP32_ROLES,
     DEFAULT_METHOD,
     DEFAULT_SMOOTH_ALPHA,
@@ -79,6 +80,9 @@ class Int8Options:
     # dynamic only: "row", one activation scale per row (token) for the backbone GEMMs of ROW_ROLES (rowwise.py), or
     # "tensor", one per tensor as ONNX Runtime's quantizer makes them everywhere else
     activations: str = DEFAULT_ACTIVATIONS
+    # with activations "row": the adapter path's constant-weight MatMuls per row too (False: one scale per tensor, the
+    # form before issue 38)
+    adapter_rows: bool = DEFAULT_ADAPTER_ROWS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -182,11 +186,27 @@ def _row_nodes_wanted(options: Int8Options) -> bool:
 
 def _row_nodes(graph: onnx.ModelProto, nodes: list[str], options: Int8Options) -> list[str]:
     """The nodes of ``nodes`` whose activations get one scale per row (``options.activations``): the backbone's
-    MatMuls of ROW_ROLES."""
+    MatMuls of ROW_ROLES and, with ``options.adapter_rows``, the adapter path's MatMuls with a 2-D stored weight."""
     if not _row_nodes_wanted(options):
         return []
     roles = backbone_roles(graph)
-    return [n for n in nodes if n in roles and roles[n][1] in ROW_ROLES]
+    adapters = adapter_gemms(graph) if options.adapter_rows else set()
+    return [n for n in nodes if (n in roles and roles[n][1] in ROW_ROLES) or n in adapters]
+
+
+def adapter_gemms(graph: onnx.ModelProto) -> set[str]:
+    """Names of the adapter blocks' MatMuls with a stored 2-D weight (the stacked down-projection; in a one-task graph
+    the folded fusion matrices too): those per-row int8 (``rowwise.quantize_rows``) can rewrite."""
+    weights = {t.name: t for t in graph.graph.initializer}
+    return {
+        n.name
+        for n in graph.graph.node
+        if n.op_type == "MatMul"
+        and n.name.startswith(ADAPTER_NODES)
+        and len(n.input) > 1
+        and n.input[1] in weights
+        and len(weights[n.input[1]].dims) == 2
+    }
 
 
 def _save_rows(src: Path, dst: Path, rows: list[str]) -> None:
