@@ -9,7 +9,8 @@ keep-alive connections: a request's latency is from just before its bytes are wr
 
     python -m benchmarks.trace_spans [ARTIFACT] [--ingress haproxy] [--requests 200] [--clients 16] [--per-client 25]
 
-Writes benchmarks/results/tracing_spans.json, tracing_spans.png and the section in benchmarks/RESULTS.md.
+Writes benchmarks/results/tracing_spans.json, tracing_spans.png and the section in benchmarks/RESULTS.md
+(``tracing_spans_proxy`` for ``--ingress proxy``).
 """
 
 from __future__ import annotations
@@ -202,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         except Exception:
             proc.kill()
-    title = "Tracing: a request's spans against its measured latency (root from the ingress)"
-    record(args.out, "tracing_spans", title, result, lambda path: plot(result, path), markdown(result), not args.no_record)
+    key = "tracing_spans" if args.ingress == "haproxy" else f"tracing_spans_{args.ingress}"
+    title = "Tracing: a request's spans against its measured latency" + (
+        "" if args.ingress == "haproxy" else f" (--ingress {args.ingress})"
+    )
+    record(args.out, key, title, result, lambda path: plot(result, path), markdown(result), not args.no_record)
     return 0
 
 
