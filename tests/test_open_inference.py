@@ -393,9 +393,10 @@ def test_the_root_span_starts_when_haproxy_got_the_request_and_a_forged_stamp_is
         answered_ns = time.time_ns()
     spans = {s.name: s for s in receiver.trace(trace_id, "POST /v1/classify")}
     root = spans["POST /v1/classify"]
-    assert sent_ns - 1_000_000 <= root.start_ns <= sent_ns + 100_000_000, (root.start_ns - sent_ns) / 1e6
-    assert root.end_ns <= answered_ns, (root.end_ns - answered_ns) / 1e6
-    assert spans["ingress"].start_ns == root.start_ns and spans["ingress"].ms >= 390, spans["ingress"].ms
+    assert sent_ns - 2_000_000 <= root.start_ns <= sent_ns + 200_000_000, (root.start_ns - sent_ns) / 1e6
+    assert root.end_ns <= answered_ns + 2_000_000, (root.end_ns - answered_ns) / 1e6
+    ingress = spans["ingress"]  # up to the replica, which could not have the request before its body was sent
+    assert ingress.start_ns == root.start_ns and ingress.end_ns >= sent_ns + 395_000_000, (ingress.end_ns - sent_ns) / 1e6
     assert spans["respond"].end_ns == root.end_ns  # the answer's serialisation and sending are in the trace
 
 

@@ -203,6 +203,9 @@ class Tracer:
     def _spans(self, t: RequestTrace) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
+        # perf_counter -> epoch, taken again for each request (moments after it ended): a clock slewed since the
+        # tracer started does not shift its spans against the instants of other processes (HAProxy's stamp, a client)
+        self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
         parent = self._propagator.extract({"traceparent": t.traceparent}) if t.traceparent else None
         if trace_id_of(t.traceparent) is None:  # a root of its own: with the id its log lines carry
             self._ids.next_trace_id = int(t.trace_id, 16)
