@@ -8,7 +8,8 @@
 
 Each run: ``--clients`` closed-loop clients on POST /v1/classify for ``--seconds``. Then ``--spans`` requests, one at a
 time, each with its own ``traceparent``, against ``on``: the client's measured latency beside the request's root span
-and the sum of its stage spans (parse, tokenize, queue, batch, respond) as the receiver got them.
+and the sum of its stage spans (ingress, parse, tokenize, queue, batch, respond) as the receiver got them
+(benchmarks/trace_spans.py, which also measures them at 16 clients).
 
     python -m benchmarks.tracing [ARTIFACT] [--baseline-ref main] [--clients 16] [--seconds 10] [--rounds 4] [--spans 100]
 
@@ -18,8 +19,6 @@ Writes benchmarks/results/tracing.json, tracing.png and the section in benchmark
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import statistics
 import subprocess
@@ -33,10 +32,10 @@ from benchmarks.httpload import closed_loop
 from benchmarks.load import load_texts
 from benchmarks.report import machine, record
 from benchmarks.servers import ROOT, body_maker
+from benchmarks.trace_spans import measure
 from fusionserve.serving.process.ingress import free_port
 
 HERE = Path(__file__).parent
-STAGES = ("parse", "tokenize", "queue", "batch", "respond")
 _PACKAGES = ("cli", "export", "serving", "scoring", "training")  # the subpackages pyproject maps under fusionserve
 
 
@@ -69,40 +68,6 @@ def start(name: str, artifact: Path, logs: Path, extra: list[str], tree: Path | 
             raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     return proc, port
-
-
-def traced_requests(port: int, receiver: Any, task: str, texts: list[str], n: int) -> dict[str, Any]:
-    """``n`` requests one at a time with their own traceparent: client latency against the root and stage spans."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    sent = []
-    for i in range(n):
-        trace_id = os.urandom(16).hex()
-        body = json.dumps({"task": task, "inputs": [texts[i % len(texts)]]}).encode()
-        headers = {"content-type": "application/json", "traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
-        started = time.perf_counter()
-        conn.request("POST", "/v1/classify", body, headers)
-        conn.getresponse().read()
-        sent.append((trace_id, (time.perf_counter() - started) * 1000))
-    rows = []
-    for trace_id, client_ms in sent:
-        spans = {s.name: s for s in receiver.trace(trace_id, "POST /v1/classify", within_s=30)}
-        if "POST /v1/classify" not in spans or not set(STAGES) <= set(spans):
-            continue
-        stages = sum(spans[s].ms for s in STAGES)
-        rows.append(
-            {"client_ms": round(client_ms, 3), "root_ms": round(spans["POST /v1/classify"].ms, 3), "stages_ms": round(stages, 3)}
-        )
-    ratio = [r["stages_ms"] / r["client_ms"] for r in rows]
-    root = [r["root_ms"] / r["client_ms"] for r in rows]
-    return {
-        "requests": n, "traces_received": len(rows),
-        "stages_over_client_median": round(statistics.median(ratio), 3) if ratio else None,
-        "stages_over_client_min": round(min(ratio), 3) if ratio else None,
-        "within_10pct_share": round(sum(0.9 <= x <= 1.1 for x in ratio) / len(ratio), 3) if ratio else None,
-        "root_over_client_median": round(statistics.median(root), 3) if root else None,
-        "client_ms_median": round(statistics.median(r["client_ms"] for r in rows), 2) if rows else None,
-        "rows": rows,
-    }  # fmt: skip
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -203,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 "errors": sum(x["errors"] + x["lost"] for x in rows)}
             for n, rows in runs.items()
         }  # fmt: skip
-        result["spans"] = traced_requests(procs["on"][1], receiver, task, texts, args.spans)
+        result["spans"] = measure(procs["on"][1], receiver, task, texts, 1, args.spans)  # benchmarks/trace_spans.py
         result["receiver_export_requests"] = receiver.requests
         result["load_average_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     finally:

@@ -16,7 +16,7 @@ which names them from here.
 | ``dead_ray_process`` | ``ray._private.worker._global_node.dead_processes()`` lists the node's processes that died | a server whose raylet or GCS died keeps running half-dead instead of exiting 1 for its supervisor to restart it |
 | ``serve_details`` | ``ray.serve.context._get_global_client()`` and its ``get_serve_details()`` | joining a cluster that runs Serve: no check of its ports or of a fusionserve application already there (the start fails) |
 | ``set_process_title`` | ``ray._raylet.setproctitle`` rewrites the process's command line | ``--api-key`` is refused (the key would stay visible in ``ps``): pass it in ``FUSIONSERVE_API_KEY`` |
-| ``HAPROXY_*`` | Serve runs ``$RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` and its template writes ``frontend http_frontend`` with a ``    bind`` line, ``bind :PORT`` / ``bind *:PORT`` for its pages | no 408 for a body that never completes, no JSON 405, HAProxy's stats and Prometheus pages on every interface |
+| ``HAPROXY_*`` | Serve runs ``$RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` (``CONFIG`` from ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC``, which its processes inherit) and its template writes ``frontend http_frontend`` (and ``frontend grpc_frontend``, HTTP/2) with a ``    bind`` line, ``bind :PORT`` / ``bind *:PORT`` for its pages | no 408 for a body that never completes, no JSON 405, HAProxy's stats and Prometheus pages on every interface; traces start where the replica got the request, not where HAProxy did |
 | ``admin_sockets``, ``routed`` | HAProxy's admin socket at ``<dir>/<node id>/<name>``, replicas as ``SERVE_REPLICA...`` servers of the ``http-<app>`` backend | a start no longer waits for every replica to be routed (the first requests all go to one) |
 | ``ORT_OPTIMIZER`` | ``onnxruntime.transformers.optimizer.optimize_model`` (a tool shipped in ONNX Runtime's wheel, outside its API) fuses a BERT-family graph into its fused kernels (Attention, SkipLayerNormalization, BiasGelu, ...), counts them (``get_fused_operator_statistics``), converts to fp16 (``convert_float_to_float16``) and saves (``save_model_to_file``) | ``fusionserve export`` fails, or refuses the graph because the fused-operator counts are not the ones expected: no artifact can be made |
 | ``ROW_SCALE_GEMM`` | ONNX Runtime's contrib operator ``com.microsoft`` ``MatMulIntegerToFloat`` takes its A scale per row, as a (rows, 1) tensor | int8 artifacts made with per-row activation scales (the default int8 export) fail to load, or answer with one scale for every row; an int8 export's gate then refuses it |
@@ -133,12 +133,20 @@ def set_process_title(title: str) -> bool:
 # --- HAProxy as Serve starts and configures it (ray/serve/_private/haproxy.py, haproxy_templates.py) ---------------
 HAPROXY_CONFIG_FLAG = "-f"  # Serve runs BINARY -db -f CONFIG (also for each reload): the config follows this flag
 HAPROXY_HTTP_FRONTEND = "frontend http_frontend"  # the serving port's section, its bind line indented by 4
+HAPROXY_GRPC_FRONTEND = "frontend grpc_frontend"  # the gRPC port's (HTTP/2, mode http), there when gRPC is on
 HAPROXY_BIND = "    bind "
+HAPROXY_CONFIG_ENV = "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"  # the config's path, in the environment of Serve's processes
+
+
+def haproxy_after_bind(additions: Path, frontend: str = HAPROXY_HTTP_FRONTEND) -> str:
+    """A sed command: insert the lines of ``additions`` after the bind line of Serve's ``frontend`` section (a section
+    that is not there: nothing inserted)."""
+    return f"/^{frontend}$/,/^{HAPROXY_BIND}/{{/^{HAPROXY_BIND}/r {additions}\n}}"
 
 
 def haproxy_after_http_bind(additions: Path) -> str:
     """A sed command: insert the lines of ``additions`` after the bind line of Serve's HTTP frontend section."""
-    return f"/^{HAPROXY_HTTP_FRONTEND}$/,/^{HAPROXY_BIND}/{{/^{HAPROXY_BIND}/r {additions}\n}}"
+    return haproxy_after_bind(additions, HAPROXY_HTTP_FRONTEND)
 
 
 def haproxy_bind_on_loopback(port: int) -> str:

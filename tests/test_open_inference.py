@@ -6,8 +6,10 @@ receiver in this process, and JSON logs. One server for the module: an API key, 
 company, which makes deadlines and mixed batches testable on any machine).
 """
 
+import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from fusionserve.serving.api import grpc_predict_v2_pb2 as v2
 from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
 from fusionserve.serving.api.grpc_status import ERROR_TYPE_KEY
+from fusionserve.serving.api.tracing import INGRESS_HEADER
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.oip_helpers import Triton, bytes_tensor, request, start_receiver
 from tests.serving_helpers import free_port, launch, stop
@@ -334,7 +337,7 @@ def _traceparent() -> tuple[str, str, str]:
     return trace_id, parent, f"00-{trace_id}-{parent}-01"
 
 
-STAGES = ["parse", "tokenize", "queue", "batch", "respond"]
+STAGES = ["ingress", "parse", "tokenize", "queue", "batch", "respond"]  # ingress: from HAProxy's stamp
 
 
 def _check_trace(spans, parent: str, root_name: str) -> None:
@@ -363,6 +366,38 @@ def test_a_trace_continues_the_callers_traceparent_over_http_and_grpc(server, re
     server.stub.ModelInfer(_grpc_infer(["a fine film"]), metadata=(*GRPC_AUTH.items(), ("traceparent", traceparent)), timeout=60)
     name = "inference.GRPCInferenceService/ModelInfer"
     _check_trace(receiver.trace(trace_id, name), parent, name)
+
+
+def test_the_root_span_starts_when_haproxy_got_the_request_and_a_forged_stamp_is_not_believed(server, receiver):
+    """The request's headers go first, its body 400 ms later: HAProxy got the request's first byte when the headers
+    came, the replica only once the body did (HAProxy waits for a body). The root span starts at HAProxy's instant,
+    not at the replica's (it did on the code before, 400 ms later), and not at the instant the client forged in
+    HAProxy's header (ten seconds earlier); the ``ingress`` span covers the wait, and the root ends before the
+    client had the answer."""
+    trace_id, _, traceparent = _traceparent()
+    body = json.dumps({"task": "rte", "inputs": ["a fine film"]}).encode()
+    forged = f"t={time.time_ns() // 1000 - 10_000_000} r=0 k={os.urandom(16).hex()}"
+    head = (
+        f"POST /v1/classify HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {KEY}\r\ntraceparent: {traceparent}\r\n"
+        f"content-type: application/json\r\n{INGRESS_HEADER}: {forged}\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sent_ns = time.time_ns()
+        sock.sendall(head.encode())
+        time.sleep(0.4)
+        sock.sendall(body)
+        answer = http.client.HTTPResponse(sock)
+        answer.begin()
+        assert answer.status == 200, answer.read()
+        answer.read()
+        answered_ns = time.time_ns()
+    spans = {s.name: s for s in receiver.trace(trace_id, "POST /v1/classify")}
+    root = spans["POST /v1/classify"]
+    assert sent_ns - 2_000_000 <= root.start_ns <= sent_ns + 200_000_000, (root.start_ns - sent_ns) / 1e6
+    assert root.end_ns <= answered_ns + 2_000_000, (root.end_ns - answered_ns) / 1e6
+    ingress = spans["ingress"]  # up to the replica, which could not have the request before its body was sent
+    assert ingress.start_ns == root.start_ns and ingress.end_ns >= sent_ns + 395_000_000, (ingress.end_ns - sent_ns) / 1e6
+    assert spans["respond"].end_ns == root.end_ns  # the answer's serialisation and sending are in the trace
 
 
 def test_oip_and_v1_classify_requests_share_a_batch(server, receiver):

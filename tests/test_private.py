@@ -107,12 +107,13 @@ def test_the_haproxy_wrapper_edits_the_config_serve_writes_and_haproxy_takes_it(
     from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
     from ray.serve.config import HTTPOptions, gRPCOptions
 
+    from fusionserve.serving.builder import SERVICER
     from fusionserve.serving.process.haproxy_rules import MARK, real_haproxy, write_wrapper
 
     assert '[haproxy_bin, "-db", "-f", self.config_file_path]' in inspect.getsource(HAProxyApi)  # how Serve starts it
     run = tmp_path / "run"
     cfg = HAProxyConfig(
-        http_options=HTTPOptions(host="0.0.0.0", port=8000), grpc_options=gRPCOptions(port=9000), is_head=True,
+        http_options=HTTPOptions(host="0.0.0.0", port=8000), grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=[SERVICER]), is_head=True,
         socket_path=str(run / "a.sock"), server_state_base=str(run), server_state_file=str(run / "state"),
         metrics_socket_path=str(run / "m.sock"), stats_port=28404, metrics_port=29101,
     )  # fmt: skip
@@ -123,6 +124,12 @@ def test_the_haproxy_wrapper_edits_the_config_serve_writes_and_haproxy_takes_it(
     lines = config.read_text().splitlines()
     frontend = lines.index(private.HAPROXY_HTTP_FRONTEND)
     assert lines[frontend + 1].startswith(private.HAPROXY_BIND) and lines[frontend + 2] == f"    {MARK}"
+    # the gRPC port's requests are stamped too: after its bind line (comments come before it)
+    grpc_bind = next(
+        i for i in range(lines.index(private.HAPROXY_GRPC_FRONTEND), len(lines)) if lines[i].startswith(private.HAPROXY_BIND)
+    )
+    assert lines[grpc_bind + 1] == f"    {MARK}"
+    assert lines[grpc_bind + 2].startswith("    http-request set-header x-fusionserve-ingress "), lines[grpc_bind + 2]
     binds = [line.strip() for line in lines if line.strip().startswith("bind ")]
     assert "bind 127.0.0.1:28404" in binds and "bind 127.0.0.1:29101" in binds and "bind *:8000" in binds, binds
     binary = real_haproxy()

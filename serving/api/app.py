@@ -111,7 +111,17 @@ class _KeyGuard:
 app.add_middleware(_ClassifyFastPath)
 app.add_middleware(oip_http.OipFastPath)
 app.add_middleware(HeadAsGet)
-app.add_middleware(_KeyGuard)  # added last: the outermost, in front of the fast path too
+app.add_middleware(_KeyGuard)  # in front of the fast path too
+
+
+def _tracer() -> "tracing.Tracer | None":
+    """This process's replica's tracer (a function of this module, not a lambda: Serve pickles the app with the class,
+    a lambda by value, with a copy of the globals it reads, where ``_replica`` stays None)."""
+    return _replica.core.tracer if _replica is not None else None
+
+
+# the outermost: a trace's request starts as early as fusionserve's code sees it, and ends once its answer is sent
+app.add_middleware(tracing.TraceEdge, tracer=_tracer)
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed"}
 _DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon-32x32.png": "image/png"}
 

@@ -29,7 +29,7 @@ from ..scheduler.batching import DeadlineExceeded, Overloaded, Scheduler, TooMan
 from ..scheduler.results import JobResult, TaskResult
 from .metrics import Metrics
 from .schemas import ClassifyRequest, HTTPError, Limits, describe_json_error, describe_validation_error, timeout_header
-from .tracing import TRACE_ID, RequestTrace, Tracer, note_request, trace_id_of
+from .tracing import EDGE, TRACE_ID, RequestTrace, Tracer, note_request, trace_id_of
 
 _NAMED = 5  # unknown task names an error names, at most
 log = logging.getLogger("ray.serve").getChild("fusionserve")  # in the replica log files, with Serve's own
@@ -148,6 +148,7 @@ class Classifier:
         check: Callable[[Served], None] | None = None,
         traceparent: str | None = None,
         answered_as: Callable[[int], int] = int,
+        ingress: str | None = None,
     ) -> dict[str, Any] | HTTPError:
         """``read`` gets and parses the request (raising HTTPError for what it refuses); ``timeout`` is the
         X-Request-Timeout-Ms header's value, if any, and ``deadline`` a ``time.monotonic()`` instant set by the
@@ -156,7 +157,8 @@ class Classifier:
         before it is queued (raising HTTPError to refuse it: a protocol's model version). ``traceparent``: the
         caller's W3C trace context, continued by the request's trace (``where`` names its root span). ``answered_as``:
         the status a refusal's HTTP status is answered with by the protocol (the Open Inference Protocol's 400 for
-        422), which the metrics and the trace record. Returns the
+        422), which the metrics and the trace record. ``ingress``: HAProxy's stamp of a gRPC call (its metadata; over
+        HTTP, ``tracing.TraceEdge`` read it and hands the trace on once the answer is sent). Returns the
         answer (one task's, or ``{"results": [...]}`` for several), or the refusal to send instead. Never raises,
         except CancelledError when the caller goes away (the request's rows not yet computed are dropped, and it is
         counted as dropped): an error of ours becomes a 500 refusal whose id is in the log."""
@@ -165,15 +167,21 @@ class Classifier:
             return await self._classify(read, where, timeout, deadline, check, None, answered_as)
         TRACE_ID.set(trace_id)  # this request's task: its log lines carry the id
         note_request(trace_id)
+        edge = (EDGE.get() or self.tracer.edge(ingress)) if self.tracer is not None else None
         trace = RequestTrace(where, traceparent, trace_id, time.perf_counter())
+        if edge is not None:
+            trace.reached_s, trace.ingress_s = edge.reached_s, edge.ingress_s
         outcome = await self._classify(read, where, timeout, deadline, check, trace, answered_as)
-        if self.tracer is not None:
+        if self.tracer is not None and edge is not None:
             trace.answered_s = time.perf_counter()
             if isinstance(outcome, HTTPError):
                 trace.status, trace.error_type = answered_as(outcome.status), outcome.reason
             else:
                 trace.status = 200
-            self.tracer.record(trace)
+            if edge.records:  # recorded by the edge once the answer is sent
+                edge.trace = trace
+            else:
+                self.tracer.record(trace)
         return outcome
 
     async def _classify(

@@ -25,6 +25,7 @@ from .auth import UNAUTHORIZED, KeyCheck, grpc_authorization
 from .classify import Classifier, parse_fields
 from .grpc_status import CALL_DEADLINE, ERROR_TYPE_KEY, STATUS_CODES, call_deadline, grpc_code, refuse
 from .schemas import ClassifyRequest, HTTPError
+from .tracing import INGRESS_HEADER
 
 METHOD = "/fusionserve.v1.Classifier/Classify"
 __all__ = [
@@ -180,8 +181,9 @@ async def classify_grpc(
             raise HTTPError(413, "body_too_large", f"request message of {size} bytes; the limit is {limit}")
         return parse_fields(request_fields(decode(raw)))
 
-    traceparent = next((v for k, v in context.invocation_metadata() if k == "traceparent"), None) if context else None
-    outcome = await core(read, METHOD, deadline=call_deadline(context), traceparent=traceparent)
+    metadata = list(context.invocation_metadata()) if context else []
+    traceparent, stamp = (next((v for k, v in metadata if k == name), None) for name in ("traceparent", INGRESS_HEADER))
+    outcome = await core(read, METHOD, deadline=call_deadline(context), traceparent=traceparent, ingress=stamp)
     if isinstance(outcome, HTTPError):
         refuse(context, outcome, where)
         return pb.ClassifyResponse()

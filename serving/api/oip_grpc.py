@@ -18,6 +18,7 @@ from . import oip
 from .auth import UNAUTHORIZED, grpc_authorization
 from .grpc_status import call_deadline, refuse
 from .schemas import HTTPError
+from .tracing import INGRESS_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
 _METHODS = {  # method -> (request, response)
@@ -208,7 +209,8 @@ class OipGrpc:
                 oip.check_version(held["call"].model, held["call"].version, served)
 
             outcome = await self.core(read, f"{SERVICE}/ModelInfer", deadline=call_deadline(grpc_context), check=check,
-                                      traceparent=_metadata(grpc_context, "traceparent"))  # fmt: skip
+                                      traceparent=_metadata(grpc_context, "traceparent"),
+                                      ingress=_metadata(grpc_context, INGRESS_HEADER))  # fmt: skip
             if isinstance(outcome, HTTPError):
                 raise outcome
             if grpc_context is not None:

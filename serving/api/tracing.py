@@ -9,6 +9,16 @@ them: ``--trace-sample-ratio``, and an incoming ``traceparent``'s sampled flag i
 and revision as attributes) holding ``model`` (padding and ONNX Runtime), and ``respond`` (the answer built). An
 incoming W3C ``traceparent`` (HTTP header, gRPC metadata) makes the root a child of the caller's span.
 
+Where the request entered: behind HAProxy (the default ingress), HAProxy stamps every request with the instant its
+first byte arrived (``INGRESS_HEADER``: ``t=`` epoch microseconds when HAProxy had the request, ``r=`` the
+milliseconds it took to arrive, ``k=`` the run's ingress key; serving/process/haproxy_rules.py), overwriting whatever
+the client sent under that name. The root span starts there, and an ``ingress`` span covers HAProxy, the hop to the
+replica, uvicorn and Serve's request path up to fusionserve's code. The stamp is believed only with the key HAProxy's
+config holds (``INGRESS_KEY_FILE`` beside it, read once when the tracer starts): a request that did not come through
+that HAProxy (Serve's proxy ingress, a node started without fusionserve's rules, the replica's own port) starts its
+root where the replica got it. Over HTTP the root and ``respond`` end when the answer's last byte was handed to the
+server (uvicorn, or Serve's proxy), serialisation included (``TraceEdge``); over gRPC when the method returned.
+
 The request path only notes ``time.perf_counter()`` instants (the scheduler notes its own: ``JobResult``); the spans
 are made from them afterwards, in a thread of their own, and the SDK's batch processor exports them from another: a
 request waits for neither. Without an endpoint no tracer exists, nothing of OpenTelemetry is imported, and a
@@ -18,23 +28,55 @@ request pays one ``is None`` test.
 from __future__ import annotations
 
 import contextvars
+import hmac
 import logging
+import os
 import queue
 import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fusionserve.errors import FusionServeError
 from fusionserve.settings import otlp_env
 
+from ..private import HAPROXY_CONFIG_ENV
 from ..scheduler.results import JobResult
 
 # the trace id of the request being handled (when it has one), for log lines (``TraceIdFilter``)
 TRACE_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("fusionserve_trace_id", default=None)
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+INGRESS_HEADER = "x-fusionserve-ingress"  # HAProxy's stamp (serving/process/haproxy_rules.py)
+INGRESS_KEY_FILE = "ingress.key"  # beside HAProxy's config: the key its stamps carry
+_STAMP = re.compile(r"^t=(\d{1,19}) r=(-?\d{1,9}) k=([0-9a-f]{32})$")
+_STAMP_OLDEST_S = 3600.0  # a stamp older than this (a clock stepped back, a stuck connection) is not believed
+
+
+def ingress_key(config: str | None = None) -> str | None:
+    """The key of the HAProxy whose config is at ``config`` (default: ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC`` in this
+    process's environment, which a replica inherits from the server that started Ray), or None where there is none."""
+    config = config or os.environ.get(HAPROXY_CONFIG_ENV)
+    try:
+        return (Path(config).parent / INGRESS_KEY_FILE).read_text().strip() if config else None
+    except OSError:
+        return None
+
+
+def ingress_instant(stamp: str | None, key: str | None, now_s: float, now_ns: int) -> float | None:
+    """The ``time.perf_counter()`` instant (on the clock where ``now_s`` and the epoch ``now_ns`` were read together)
+    at which the ingress got the first byte of the request whose ``INGRESS_HEADER`` is ``stamp``; None when there is no
+    stamp, it is malformed, it does not carry ``key`` (not HAProxy's: a client's), or it is older than an hour. A
+    stamp after ``now`` (another node's clock) counts as now."""
+    found = _STAMP.match(stamp.strip()) if stamp and key else None
+    if found is None or not hmac.compare_digest(found.group(3), key or ""):
+        return None
+    first_byte_us = int(found.group(1)) - max(0, int(found.group(2))) * 1000
+    ago_s = max(0.0, (now_ns // 1000 - first_byte_us) / 1e6)
+    return None if ago_s > _STAMP_OLDEST_S else now_s - ago_s
 
 
 def trace_id_of(traceparent: str | None) -> str | None:
@@ -60,6 +102,23 @@ class RequestTrace:
     task: str = "-"
     inputs: int = 0
     result: JobResult | None = None
+    ingress_s: float | None = None  # when the ingress (HAProxy) got its first byte, where it said so
+    reached_s: float | None = None  # when fusionserve's code got it (the outermost middleware), if before arrived_s
+    sent_s: float | None = None  # when the answer's last byte was handed to the HTTP server
+
+
+@dataclass
+class Edge:
+    """A request as fusionserve's outermost code met it (``TraceEdge``, or a gRPC method): when, HAProxy's instant,
+    and (``records``) whether the edge hands the trace to the tracer itself once the answer is sent."""
+
+    reached_s: float
+    ingress_s: float | None = None
+    records: bool = False
+    trace: RequestTrace | None = None
+
+
+EDGE: contextvars.ContextVar[Edge | None] = contextvars.ContextVar("fusionserve_trace_edge", default=None)
 
 
 def traces_url(endpoint: str) -> str:
@@ -114,11 +173,17 @@ class Tracer:
         self._tracer = self.provider.get_tracer("fusionserve")
         self._propagator = TraceContextTextMapPropagator()
         self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)  # perf_counter seconds -> epoch ns
+        self.ingress_key = ingress_key()  # None: no HAProxy of fusionserve's here, no stamp believed
         self._todo: queue.SimpleQueue[RequestTrace] = queue.SimpleQueue()
         threading.Thread(target=self._work, name="fusionserve-traces", daemon=True).start()
 
     def new_trace_id(self) -> str:
         return f"{random.getrandbits(128) or 1:032x}"
+
+    def edge(self, stamp: str | None, records: bool = False) -> Edge:
+        """The request met now, with its ingress stamp (``INGRESS_HEADER``'s value, or None)."""
+        now_s, now_ns = time.perf_counter(), time.time_ns()
+        return Edge(now_s, ingress_instant(stamp, self.ingress_key, now_s, now_ns), records)
 
     def record(self, trace: RequestTrace) -> None:
         """Hand a finished request's instants over; its spans are made in the tracer's own thread."""
@@ -138,13 +203,16 @@ class Tracer:
     def _spans(self, t: RequestTrace) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
+        # perf_counter -> epoch, taken again for each request (moments after it ended): a clock slewed since the
+        # tracer started does not shift its spans against the instants of other processes (HAProxy's stamp, a client)
+        self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
         parent = self._propagator.extract({"traceparent": t.traceparent}) if t.traceparent else None
         if trace_id_of(t.traceparent) is None:  # a root of its own: with the id its log lines carry
             self._ids.next_trace_id = int(t.trace_id, 16)
         attrs: dict[str, Any] = {"fusionserve.task": t.task, "fusionserve.inputs": t.inputs, "fusionserve.status": t.status}
-        root = self._tracer.start_span(
-            t.name, context=parent, kind=SpanKind.SERVER, start_time=self._ns(t.arrived_s), attributes=attrs
-        )
+        reached = min(t.reached_s or t.arrived_s, t.arrived_s)
+        start, end = min(t.ingress_s or reached, reached), max(t.sent_s or t.answered_s, t.answered_s)
+        root = self._tracer.start_span(t.name, context=parent, kind=SpanKind.SERVER, start_time=self._ns(start), attributes=attrs)
         self._ids.next_trace_id = None
         if not root.is_recording():  # sampled out
             return
@@ -155,7 +223,9 @@ class Tracer:
             span.end(end_time=self._ns(max(start, end)))
             return span
 
-        child("parse", t.arrived_s, t.parsed_s if t.parsed_s is not None else t.answered_s)
+        if t.ingress_s is not None:  # HAProxy, the hop to the replica, uvicorn, Serve's request path
+            child("ingress", start, reached)
+        child("parse", reached, t.parsed_s if t.parsed_s is not None else end)
         r = t.result
         if r is not None and r.spans:
             child("tokenize", r.submitted_s, r.tokenized_s)
@@ -167,11 +237,11 @@ class Tracer:
                 })  # fmt: skip
                 child("model", b.model_start_s, b.model_end_s, context=set_span_in_context(batch))
                 batch.end(end_time=self._ns(b.model_end_s))
-            child("respond", r.spans[-1].model_end_s, t.answered_s)
+            child("respond", r.spans[-1].model_end_s, end)
         if t.error_type is not None:
             root.set_attribute("fusionserve.error_type", t.error_type)
             root.set_status(Status(StatusCode.ERROR, t.error_type))
-        root.end(end_time=self._ns(t.answered_s))
+        root.end(end_time=self._ns(end))
 
     def shutdown(self) -> None:
         """Export what is left (waits for the spans handed over so far)."""
@@ -179,6 +249,42 @@ class Tracer:
         while not self._todo.empty() and time.monotonic() < deadline:
             time.sleep(0.01)
         self.provider.shutdown()
+
+
+class TraceEdge:
+    """ASGI middleware, the outermost: with a tracer (``tracer()`` not None), notes when an HTTP request reached
+    fusionserve's code and HAProxy's stamp (``Edge``, in ``EDGE`` for the Classifier), and hands the request's trace
+    to the tracer once the answer's last byte was handed to the server, so that the root and ``respond`` spans
+    cover the answer's serialisation and sending. Without a tracer: one call and one ``is None`` test."""
+
+    def __init__(self, app: Any, tracer: Callable[[], Tracer | None]) -> None:
+        self.app, self.tracer = app, tracer
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        tracer = self.tracer()
+        if tracer is None or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        stamp = next((v for k, v in scope["headers"] if k == _INGRESS_BYTES), None)
+        edge = tracer.edge(stamp.decode("latin-1") if stamp is not None else None, records=True)
+        sent: list[float] = []
+
+        async def sending(message: dict[str, Any]) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent.append(time.perf_counter())
+
+        token = EDGE.set(edge)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            EDGE.reset(token)
+            if edge.trace is not None:
+                edge.trace.sent_s = sent[0] if sent else None
+                tracer.record(edge.trace)
+
+
+_INGRESS_BYTES = INGRESS_HEADER.encode()
 
 
 def tracer_from(endpoint: str | None, sample_ratio: float, resource: dict[str, str] | None = None) -> Tracer | None:

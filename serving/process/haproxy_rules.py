@@ -11,6 +11,12 @@ into the config's ``http_frontend`` section (after its ``bind`` line) and then r
   that does not take it with 405 and the route's ``Allow`` header (RFC 9110; HAProxy cannot know a path's methods). (What HAProxy refuses while parsing, before any rule runs: a bad request
   line, a negative Content-Length, a 16 KB URL, stays its own HTML 400: HAProxy 2.8 uses no errorfile there, tried.)
 
+- every request, HTTP and gRPC (Serve's ``grpc_frontend`` too), gets ``x-fusionserve-ingress: t=... r=... k=...``:
+  the instant HAProxy had the request (epoch microseconds, ``date(0,us)``), how long its bytes took to arrive (``%TR``,
+  ms: HAProxy 2.8 has no fetch of the first byte's date) and the run's ingress key (``ingress.key`` in this folder,
+  made here). ``set-header`` replaces a header of that name the client sent. A traced request's root span starts at
+  that first byte (serving/api/tracing.py), and only a stamp with the key is believed.
+
 The wrapper also binds HAProxy's own pages (stats, Prometheus), which Serve's template puts on every interface
 (``bind *:PORT``, ``bind :PORT``), to 127.0.0.1: only the serving ports are for other machines (serving/process/loopback.py;
 an explicit address in the config, not the shim's, because HAProxy matches the listeners it takes over from its
@@ -28,11 +34,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shlex
 import shutil
 from pathlib import Path
 
-from ..private import HAPROXY_BINARY_ENV, HAPROXY_CONFIG_FLAG, haproxy_after_http_bind, haproxy_bind_on_loopback
+from ..api.tracing import INGRESS_HEADER, INGRESS_KEY_FILE
+from ..private import HAPROXY_BINARY_ENV, HAPROXY_CONFIG_FLAG, HAPROXY_GRPC_FRONTEND, haproxy_after_bind, haproxy_bind_on_loopback
 from .runs import STARTED
 
 MARK = "# fusionserve additions (serving/process/haproxy_rules.py)"
@@ -73,6 +81,16 @@ def _is_wrapper(path: str) -> bool:
         return False
 
 
+def _ingress_key(folder: Path) -> str:
+    """The run's ingress key (made once, readable by this user only): HAProxy's stamps carry it, and a replica believes
+    a stamp only with it (serving/api/tracing.py reads it beside the config)."""
+    path = folder / INGRESS_KEY_FILE
+    if not path.exists():
+        path.touch(0o600)
+        path.write_text(secrets.token_hex(16))
+    return path.read_text().strip()
+
+
 def write_wrapper(
     folder: Path, command: list[str], body_timeout_s: float, private_ports: tuple[int, ...] = (), record: Path | None = None
 ) -> Path:
@@ -85,8 +103,10 @@ def write_wrapper(
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "408.http").write_bytes(_page(408, "body_timeout", f"the request did not arrive within {body_timeout_s:g} s"))
     (folder / "501.json").write_bytes(_page(501, "not_implemented", "this method is not served").split(b"\r\n\r\n", 1)[1])
+    stamp = f'http-request set-header {INGRESS_HEADER} "t=%[date(0,us)] r=%TR k={_ingress_key(folder)}"'
     rules = [
         MARK,
+        stamp,  # first: every request is stamped, also one that a rule below answers
         "option http-buffer-request",  # wait for the body (up to a buffer's size): the timeout below covers it
         f"timeout http-request {max(1, round(body_timeout_s * 1000))}ms",
         f"errorfile 408 {folder / '408.http'}",
@@ -94,15 +114,18 @@ def write_wrapper(
         f"unless {{ method {' '.join(METHODS)} }}",
     ]
     (folder / "additions.cfg").write_text("".join(f"    {line}\n" for line in rules))
+    (folder / "grpc-additions.cfg").write_text(f"    {MARK}\n    {stamp}\n")
     wrapper = folder / "haproxy"
     additions = folder / "additions.cfg"  # sed's r takes the rest of its line as the file name
+    grpc_additions = folder / "grpc-additions.cfg"
     wrapper.write_text(
         "#!/bin/sh\n"
         f"# HAProxy for fusionserve: {MARK[2:]}\n"
         'cfg=""; prev=""\n'
         f'for arg in "$@"; do [ "$prev" = "{HAPROXY_CONFIG_FLAG}" ] && cfg="$arg"; prev="$arg"; done\n'
         f'if [ -n "$cfg" ] && ! grep -q "^    {MARK}" "$cfg"; then\n'
-        f'  sed -i {shlex.quote(haproxy_after_http_bind(additions))} "$cfg"\n'
+        f'  sed -i {shlex.quote(haproxy_after_bind(additions))} "$cfg"\n'
+        f'  sed -i {shlex.quote(haproxy_after_bind(grpc_additions, HAPROXY_GRPC_FRONTEND))} "$cfg"\n'
         + "".join(f'  sed -i {shlex.quote(haproxy_bind_on_loopback(port))} "$cfg"\n' for port in private_ports)
         + "fi\n"
         # field 22 of /proc/PID/stat, the start time: the 20th after the command name's closing parenthesis
