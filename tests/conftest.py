@@ -4,6 +4,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
 from fusionserve.serving.model.activations import stats_document
 from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.process.ports import drawn_ports
+from fusionserve.settings import PORT_RANGE_ENV
 from fusionserve.training import sources
 from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
 from tests.adapterhub_models import TASKS, Built, build
@@ -24,6 +27,22 @@ from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
 from tests.serving_helpers import SHARED_ARGS, Served, SharedServers
+
+
+def _worker_port_range() -> None:
+    """Under pytest-xdist each worker draws the servers' ports from its own slice of the range (FUSIONSERVE_PORT_RANGE,
+    read by serving/process/ports.py in this process and in every server it starts): two workers' servers drawing one
+    port in the seconds before its user binds it would fail one of them."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or count < 2:
+        return
+    ports, index = drawn_ports(), int(worker.removeprefix("gw"))
+    size = len(ports) // count
+    os.environ[PORT_RANGE_ENV] = f"{ports.start + index * size}-{ports.start + (index + 1) * size - 1}"
+
+
+_worker_port_range()
+
 
 # The tests run tiny models: a second intra-op thread adds nothing but contention on the shared 2 cores (the parity
 # check of one tiny export took 8.7 s with 2 threads on a busy machine, 0.6 s with 1).
@@ -36,8 +55,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--image", action="store_true", help="run the tests marked `image`: build and run the container image")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _shared_server_last(items)
+    _whole_groups(items)
     if config.getoption("--image"):
         return
     skip = pytest.mark.skip(
@@ -55,6 +76,24 @@ def _shared_server_last(items: list[pytest.Item]) -> None:
     on_it = [item for item in items if "shared_server" in getattr(item, "fixturenames", ())]
     rest = [item for item in items if "shared_server" not in getattr(item, "fixturenames", ())]
     items[:] = rest + sorted(on_it, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
+
+
+def _whole_groups(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2``; ``--dist loadgroup --no-loadscope-reorder`` are in pyproject's addopts), each
+    module runs whole on one worker, in its order (its module fixtures, e.g. a server, start once), and so do the tests
+    on the shared server (one start per worker that runs them, stops_shared_server last). The groups that start
+    servers or other long processes (most ``slow`` tests) go first, the most such tests first, so that the short
+    ones fill both workers at the end instead of one long module running alone."""
+    for item in items:
+        on_shared = "shared_server" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("shared_server" if on_shared else item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return  # a serial run keeps the collection order (the shared server's block last)
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(item.get_closest_marker("xdist_group").args[0], []).append(item)
+    slow = {name: sum(1 for i in group if i.get_closest_marker("slow")) for name, group in groups.items()}
+    items[:] = [item for name in sorted(groups, key=lambda n: -slow[n]) for item in groups[name]]
 
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])
