@@ -27,6 +27,7 @@ from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
 from tests.serving_helpers import SHARED_ARGS, Served, SharedServers
+from tests.xdist_groups import longest_first, make_scheduler, write_groups
 
 
 def _worker_port_range() -> None:
@@ -55,10 +56,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--image", action="store_true", help="run the tests marked `image`: build and run the container image")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _shared_server_last(items)
-    _whole_groups(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: whole groups per worker (tests/xdist_groups.py)
+        items[:] = longest_first(items)
+        write_groups(items)
     if config.getoption("--image"):
         return
     skip = pytest.mark.skip(
@@ -78,22 +80,10 @@ def _shared_server_last(items: list[pytest.Item]) -> None:
     items[:] = rest + sorted(on_it, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
 
 
-def _whole_groups(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2``; ``--dist loadgroup --no-loadscope-reorder`` are in pyproject's addopts), each
-    module runs whole on one worker, in its order (its module fixtures, e.g. a server, start once), and so do the tests
-    on the shared server (one start per worker that runs them, stops_shared_server last). The groups that start
-    servers or other long processes (most ``slow`` tests) go first, the most such tests first, so that the short
-    ones fill both workers at the end instead of one long module running alone."""
-    for item in items:
-        on_shared = "shared_server" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("shared_server" if on_shared else item.nodeid.split("::")[0]))
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return  # a serial run keeps the collection order (the shared server's block last)
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        groups.setdefault(item.get_closest_marker("xdist_group").args[0], []).append(item)
-    slow = {name: sum(1 for i in group if i.get_closest_marker("slow")) for name, group in groups.items()}
-    items[:] = [item for name in sorted(groups, key=lambda n: -slow[n]) for item in groups[name]]
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``-n N`` (xdist's default distribution, ``load``): whole modules per worker and the shared server's tests as one
+    group (tests/xdist_groups.py); another ``--dist`` is xdist's own."""
+    return make_scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])
