@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from benchmarks.models import BenchModel, bert_base_folder, build, int8_copy, minilm_folder, roberta_base_folder
-from benchmarks.report import machine, record
+from benchmarks.report import machine, plot_median_bars, record
 from fusionserve.scoring.timing import time_round_robin
 
 HERE = Path(__file__).parent
@@ -298,22 +298,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def plot_bars(results: list[dict], path: Path) -> None:
     """--int8: median ms of every timed variant, one panel per geometry and batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = list(results[0]["batches"])
-    fig, axes = plt.subplots(len(results), len(batches), figsize=(6.0 * len(batches), 3.2 * len(results)), squeeze=False)
-    for i, res in enumerate(results):
-        for j, b in enumerate(batches):
-            ax, row = axes[i][j], res["batches"][b]
-            ax.barh(list(row), [v["median_ms"] for v in row.values()])
-            ax.set_title(f"{res['geometry']}, batch {b}, seq {res['seq']}: median ms", fontsize=9)
-            ax.tick_params(axis="y", labelsize=7)
-            ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_median_bars(results, "batches", "{geometry}, batch {panel}, seq {seq}: median ms", path, width=6.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.latency import _eager_adapterhub, _feeds, summary_ms
 from benchmarks.models import BenchModel, bert_base_folder, build, int8_copy, minilm_folder
-from benchmarks.report import machine, record
+from benchmarks.report import machine, plot_median_bars, record
 from fusionserve.scoring.timing import time_round_robin
 
 HERE = Path(__file__).parent
@@ -168,22 +168,7 @@ def markdown(results: list[dict], command: str, m: dict[str, str], capabilities:
 
 def plot(results: list[dict], path: Path) -> None:
     """Median ms of every variant, one panel per geometry and case."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = list(results[0]["cases"])
-    fig, axes = plt.subplots(len(results), len(cases), figsize=(5.0 * len(cases), 3.0 * len(results)), squeeze=False)
-    for i, res in enumerate(results):
-        for j, c in enumerate(cases):
-            ax, row = axes[i][j], res["cases"][c]
-            ax.barh(list(row), [v["median_ms"] for v in row.values()])
-            ax.set_title(f"{res['geometry']}, {c}: median ms", fontsize=9)
-            ax.tick_params(axis="y", labelsize=7)
-            ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_median_bars(results, "cases", "{geometry}, {panel}: median ms", path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,3 +73,25 @@ def record(
     print(text)
     if to_results:
         write_section(RESULTS, key, title, text + f"\n![{key}](results/{key}.png)\n")
+
+
+def plot_median_bars(results: list[dict], panels: str, title: str, path: Path, width: float = 5.0) -> None:
+    """One bar chart of median ms per variant for each geometry (a row of panels) and each entry of
+    ``results[i][panels]`` (a column: a batch, a case); ``title`` is formatted with ``geometry``, ``panel`` and the
+    result's own keys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = list(results[0][panels])
+    fig, axes = plt.subplots(len(results), len(columns), figsize=(width * len(columns), 3.1 * len(results)), squeeze=False)
+    for i, res in enumerate(results):
+        for j, col in enumerate(columns):
+            ax, row = axes[i][j], res[panels][col]
+            ax.barh(list(row), [v["median_ms"] for v in row.values()])
+            ax.set_title(title.format(panel=col, **res), fontsize=9)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

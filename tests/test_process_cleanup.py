@@ -140,6 +140,126 @@ def test_reaping_a_stale_run_folder_spares_a_tail_of_its_config(tmp_path):
             proc.wait()
 
 
+# A server whose serving loop gets SIGTERM at the worst moment: the signal is raised (by the hook below) while the main
+# thread holds the lock of a threading.Condition, as it does for a few instructions of every Event.wait; Ray is not
+# started (start and stop stand in), the serving loop and its signal handling are the server's own.
+WORST_MOMENT = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from fusionserve.serving.process import server
+
+    serving = []
+    real = threading.Condition._is_owned
+
+    def _is_owned(self):  # called by Condition.wait with the condition's lock held
+        owned = real(self)
+        if serving and len(serving) == 1:
+            serving.append("sent")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return owned
+
+    threading.Condition._is_owned = _is_owned
+    server._ray_died = lambda: None
+    server.Server.start = lambda self, say, after_ray: serving.append("up") or "http://127.0.0.1:1"
+    server.Server.stop = lambda self: print("stopped", flush=True)
+    sys.exit(server.Server(server.ServerConfig(sys.argv[1])).serve_forever())
+    """
+)
+
+
+def test_a_signal_while_the_serving_loop_holds_a_lock_stops_the_server(artifact, tmp_path):
+    """The serving loop waited on a threading.Event that its SIGTERM handler set: a signal handled while the main thread
+    held the Event's lock (a few instructions of every wait, more often on a loaded machine) deadlocked the server
+    in its own handler. A server whose supervisor was killed then never stopped (never said "shutting down"), and
+    the restart was refused, its port still held ("already in use by pid N (haproxy ...)"). A second SIGTERM, as the
+    supervisor or the next start sends, did not help either."""
+    script = tmp_path / "worst_moment.py"
+    script.write_text(WORST_MOMENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(artifact)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(5)  # the hook's signal has come by now (the loop wakes every second), where the loop takes one
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # and another, as the next start's reap sends it
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the server did not stop on SIGTERM: {proc.communicate()[0].decode()[-2000:]}")
+    assert proc.returncode == 0, out.decode()[-2000:]
+    assert b"shutting down" in out and b"stopped" in out, out.decode()[-2000:]
+
+
+# a server that stops too slowly (Serve's replica drain, Ray's shutdown on a loaded machine) or not at all
+_STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
+
+
+def test_a_server_left_by_its_killed_supervisor_that_does_not_stop_is_ended_by_the_next_start(tmp_path, monkeypatch):
+    """kill -9 of the supervisor's group: its server had its parent-death signal, and a restart reaped the run once the
+    server stopped; a server still stopping after the grace (seen in a full suite run) kept its run, its HAProxy held
+    the port, and the restart was refused ("already in use by pid N (haproxy ...)")."""
+    from fusionserve.serving.process import runs
+
+    monkeypatch.setattr(runs, "STOP_GRACE_S", 1.0)
+    folder = tmp_path / f"{runs.RUN_PREFIX}orphaned"
+    folder.mkdir()
+    supervisor = subprocess.Popen(["sleep", "300"])
+    server = subprocess.Popen([sys.executable, "-c", _STUBBORN], stdout=subprocess.PIPE)
+    assert server.stdout.readline() == b"ready\n"
+    runs.record(folder, owners=[supervisor.pid, server.pid])
+    haproxy = _fake_haproxy(folder)
+    supervisor.kill()
+    supervisor.wait()
+    try:
+        assert runs.reap_stale(tmp_path) == [folder]
+        assert server.wait(10) is not None  # (its exit status collected by the reap, which ended it)
+        assert haproxy.wait(10) is not None
+        assert not folder.exists()
+    finally:
+        for proc in (server, haproxy):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_reap_ends_a_haproxy_of_the_dead_run_that_its_record_missed(tmp_path):
+    """An HAProxy of a dead run is ended by the next start even where the run's record does not name it (started
+    outside the wrapper, or its line lost): a real HAProxy, found by its config in the run's folder, and its port
+    freed; an HAProxy of another folder is left alone."""
+    from fusionserve.serving.process.haproxy_rules import real_haproxy
+    from fusionserve.serving.process.ports import port_holder
+    from fusionserve.serving.process.runs import RUN_PREFIX, reap_stale, record
+
+    binary = real_haproxy()
+    if binary is None:
+        pytest.skip("no HAProxy here")
+    folder, other = tmp_path / f"{RUN_PREFIX}dead", tmp_path / "elsewhere"
+    folder.mkdir()
+    owner = subprocess.Popen(["sleep", "300"])
+    record(folder, owners=[owner.pid])
+    owner.kill()
+    owner.wait()
+    procs, ports = [], []
+    for where in (folder, other):
+        config, port = where / "node" / "haproxy.cfg", free_port()
+        config.parent.mkdir(parents=True)
+        config.write_text(
+            "defaults\n    mode http\n    timeout connect 1s\n    timeout client 1s\n    timeout server 1s\n"
+            f"frontend http_frontend\n    bind 127.0.0.1:{port}\n"
+        )
+        procs.append(subprocess.Popen([binary, "-db", "-f", str(config)], stderr=subprocess.DEVNULL))
+        ports.append(port)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(port_holder("127.0.0.1", port) for port in ports):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert reap_stale(tmp_path) == [folder]
+        assert procs[0].wait(10) is not None and port_holder("127.0.0.1", ports[0]) is None
+        assert procs[1].poll() is None, "the HAProxy of another folder was ended"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 EMBEDDED = textwrap.dedent(
     """
     import os, signal, subprocess, sys, threading

@@ -145,6 +145,21 @@ def ingress_env(
     return serve_env(env)
 
 
+# the ports ``ingress_env`` draws, by what binds them: free when drawn, bound only once Ray and Serve are up, tens of
+# seconds later, so another process may take one in between (Server.start then starts again on fresh ones)
+_DRAWN = {
+    "RAY_SERVE_HAPROXY_STATS_PORT": "HAProxy's stats page",
+    "RAY_SERVE_HAPROXY_METRICS_PORT": "HAProxy's Prometheus page",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": "Serve's fallback proxy (HTTP)",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": "Serve's fallback proxy (gRPC)",
+}
+
+
+def drawn_ports(env: dict[str, str]) -> dict[int, str]:
+    """The ports ``env`` (an ``ingress_env``) drew for the server's own use, each with what binds it."""
+    return {int(env[name]): what for name, what in _DRAWN.items() if name in env}
+
+
 def _haproxy_command() -> list[str] | None:
     """How the launcher (serving/process/haproxy_rules.py) runs the HAProxy Serve would start: with a parent-death signal
     (util-linux ``setpriv --pdeathsig``) where there is ``setpriv``. HAProxy is the child of Serve's HAProxy manager,

@@ -12,8 +12,10 @@ pid cannot take:
 ``end_run`` is the one clean-up: it ends every recorded process that is still that process, then removes the folder.
 It runs in the supervisor once the server process is gone (serving/process/supervise.py), in an embedded server's own
 ``stop`` (serving/process/server.py), and, for a run whose supervisor and server were both killed at once (``kill -9
--PGID``, the OOM killer), in the next start on the machine (``reap_stale``). A process that merely names the folder (an
-operator's ``tail -f`` of its haproxy.cfg) is not the run's.
+-PGID``, the OOM killer), or whose supervisor was killed and whose server did not stop within ``STOP_GRACE_S``, in the
+next start on the machine (``reap_stale``). It also ends the run's HAProxy processes that the record missed, found by
+their config file in the folder (``haproxies``). A process that merely names the folder (an operator's ``tail -f`` of
+its haproxy.cfg) is not the run's.
 """
 
 from __future__ import annotations
@@ -100,21 +102,45 @@ def recorded(folder: Path) -> list[list[int]]:
     return entries
 
 
-def end_run(folder: Path) -> list[int]:
-    """End the processes the run in ``folder`` recorded that still run (but this one), then remove the folder.
-    Returns the pids ended."""
-    left = [entry for entry in recorded(folder) if entry[0] != os.getpid() and running(entry)]
+def end_run(folder: Path, remove: bool = True) -> list[int]:
+    """End the processes the run in ``folder`` recorded that still run (but this one), then remove the folder (unless
+    not ``remove``: a server starting again on fresh ports keeps it). Returns the pids ended."""
+    entries = recorded(folder)
+    entries += [entry for entry in identities(haproxies(folder)) if entry not in entries]
+    left = [entry for entry in entries if entry[0] != os.getpid() and running(entry)]
     end(left)
-    shutil.rmtree(folder, ignore_errors=True)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
     return [pid for pid, _ in left]
+
+
+def haproxies(folder: Path) -> list[int]:
+    """The HAProxy processes of the run in ``folder``, recorded or not: this user's processes whose command is HAProxy
+    (``haproxy``, as Serve runs it through our wrapper and ``setpriv``) with a config file (``-f``) in the folder. A
+    process that merely names the folder (an editor, ``tail -f`` of the config) is not one."""
+    inside = f"{folder}/"
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if proc.stat().st_uid != os.getuid():
+                continue
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # gone meanwhile
+            continue
+        config = argv[argv.index("-f") + 1] if "-f" in argv[:-1] else ""
+        if Path(argv[0]).name == "haproxy" and config.startswith(inside):
+            found.append(int(proc.name))
+    return found
 
 
 def reap_stale(root: Path | None = None) -> list[Path]:
     """End the runs under ``root`` (default /tmp) whose owners are all gone (``end_run``): a folder of this user with
     an owner file naming no running owner. A folder without one, or of another user, is not judged. A run whose
-    supervisor is gone but whose server is still stopping (its parent-death signal) is given ``STOP_GRACE_S``, so
-    that a restart right after a kill -9 of the supervisor waits for the port instead of being refused. Returns the
-    folders reaped."""
+    supervisor is gone but whose server still runs (stopping, on its parent-death signal) is ended as its supervisor
+    would have: the server is asked to stop (SIGTERM, once more), given ``STOP_GRACE_S``, then killed, and the run
+    ended; so a restart right after a kill -9 of the supervisor waits for the port instead of being refused, and a
+    server whose stop hangs or outlasts the grace (Serve's replica drain on a loaded machine) cannot keep the port.
+    Returns the folders reaped."""
     reaped = []
     for folder in sorted((root or run_root()).glob(f"{RUN_PREFIX}*")):
         try:
@@ -123,10 +149,13 @@ def reap_stale(root: Path | None = None) -> list[Path]:
             owners = json.loads((folder / OWNER).read_text()).get("owners", [])
         except (OSError, ValueError):
             continue
-        if owners and not running(owners[0]) and any(running(entry) for entry in owners):
-            _wait_until(lambda owners=owners: not any(running(entry) for entry in owners), STOP_GRACE_S)
-        if any(running(entry) for entry in owners):
+        if owners and running(owners[0]):
             continue
+        orphans = [entry for entry in owners if running(entry)]  # a server whose supervisor is gone
+        if orphans:
+            _signal(orphans, signal.SIGTERM)
+            _wait_until(lambda orphans=orphans: not any(running(entry) for entry in orphans), STOP_GRACE_S)
+            end(orphans, grace_s=1.0)
         end_run(folder)
         reaped.append(folder)
     return reaped
@@ -162,16 +191,21 @@ def identities(pids: Iterable[int]) -> list[list[int]]:
     return [[pid, start] for pid in pids if (start := started_at(pid)) is not None]
 
 
+def _signal(entries: Iterable[list[int]], sig: int) -> None:
+    """Send ``sig`` to each process ([pid, start time]) that is still that process."""
+    for pid, start in entries:
+        if started_at(pid) == start:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+
 def end(entries: Iterable[list[int]], grace_s: float = 2.0) -> None:
     """SIGTERM, then SIGKILL what is still there after ``grace_s``: each process ([pid, start time]) only while it is
     still that process (a pid the kernel handed to another process meanwhile is left alone). Collects the exit status
     of those that are this process's children, and of no other child."""
     entries = list(entries)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid, start in entries:
-            if started_at(pid) == start:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
+        _signal(entries, sig)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(running(entry) for entry in entries):
             time.sleep(0.05)

@@ -9,9 +9,9 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -29,7 +29,7 @@ from ..model.artifact import MANIFEST, load_artifact, sha256
 from ..model.openvino_runtime import require_openvino
 from ..model.runtime import make_session, resolve_device
 from .cluster import connect
-from .ingress import INGRESSES, VARIANTS, ingress_env
+from .ingress import INGRESSES, VARIANTS, drawn_ports, ingress_env
 from .ports import port_holder
 from .routing import wait_all_routed, wait_routed
 from .running_serve import (
@@ -42,6 +42,8 @@ from .running_serve import (
     refuse_to_replace,
 )
 from .runs import descendants, end_run, new_run_folder, reap_stale, record, started_at
+
+PORT_ATTEMPTS = 3  # starts of Ray and Serve, each on freshly drawn ports, before a drawn port taken fails the start
 
 __all__ = ["APP_NAME", "LOOPBACK", "Server", "ServerConfig", "check_before_ray", "placement", "serve_forever"]
 
@@ -142,21 +144,46 @@ class Server:
         self.folder = run_folder or new_run_folder()
         self.metrics_dir = str(self.folder / "metrics")  # where the replicas pool their Prometheus samples
         self.deployed = False  # this server deployed (or, with --replace, took over) the application
+        self.serve_started = False  # this server started Serve on a Ray of its own
 
     def start(self, say: Callable[[str], object] = lambda _: None, after_ray: Callable[[], object] = lambda: None) -> str:
         """Start (or join, with RAY_ADDRESS) Ray, then Serve on host:port (and the gRPC port), and deploy the builder's
         application; returns the base URL. Where Serve already runs on the joined cluster it keeps its ports, so --port
-        (and --grpc-port) must be the ones it listens on. ``say`` gets one line per step; ``after_ray`` runs as soon
-        as Ray is up (Ray's start-up puts its own signal handlers in). Raises FusionServeError (see
-        ``check_before_ray``; a port other than the running Serve's, an application already deployed on the cluster
-        without ``cfg.replace``, a loopback --host on a cluster of several machines) or ClusterError (Ray does not
-        start)."""
+        (and --grpc-port) must be the ones it listens on. A port the server drew for itself (``ingress.drawn_ports``)
+        that another process took before Serve bound it: Ray and Serve are started again on freshly drawn ports, said in
+        one line, up to ``PORT_ATTEMPTS`` starts in all. ``say`` gets one line per step; ``after_ray`` runs as soon as
+        Ray is up (Ray's start-up puts its own signal handlers in). Raises FusionServeError (see ``check_before_ray``;
+        --port or --grpc-port taken by another process while starting; a port other than the running Serve's, an
+        application already deployed on the cluster without ``cfg.replace``, a loopback --host on a cluster of several
+        machines) or ClusterError (Ray does not start)."""
         cfg = self.cfg
         artifact, held = check_before_ray(cfg, session=not self.supervised)
         before = {(pid, started_at(pid)) for pid in descendants(os.getpid())}  # not the run's: an embedder's children
-        # what Ray's processes read when they start: the ingress's settings (HAProxy's files in the run folder) and
-        # Serve's proxy's gRPC message limit (what keeps them on loopback is in the environment the supervisor gave)
-        os.environ.update(ingress_env(cfg.ingress, self.folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes))
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            # what Ray's processes read when they start: the ingress's settings (HAProxy's files in the run folder, the
+            # ports drawn for it) and Serve's proxy's gRPC message limit (what keeps them on loopback is in the
+            # environment the supervisor gave)
+            env = ingress_env(cfg.ingress, self.folder, cfg.app.body_timeout_s) | transport_env(cfg.app.max_body_bytes)
+            os.environ.update(env)
+            try:
+                url = self._start_serve(artifact, held, say, after_ray)
+                break
+            except Exception as exc:
+                taken = self._taken(exc, drawn_ports(env))
+                if taken is None or attempt == PORT_ATTEMPTS:
+                    raise
+                say(f"{taken}, before Serve bound it; starting again on fresh ports ({attempt + 1} of {PORT_ATTEMPTS})")
+                self._leave_ray(shut_serve=self.serve_started)
+                end_run(self.folder, remove=False)  # what the attempt started outside Ray (HAProxy), if it still runs
+        # what stop() (or the supervisor, or a next start if this run is killed) ends
+        record(self.folder, tree=[p for p in descendants(os.getpid()) if (p, started_at(p)) not in before])
+        return url
+
+    def _start_serve(
+        self, artifact: Any, held: dict[int, str], say: Callable[[str], object], after_ray: Callable[[], object]
+    ) -> str:
+        """One start of Ray and Serve and the deployment (see ``start``), in the environment ``start`` set."""
+        cfg = self.cfg
         if cfg.app.log_format == "json":  # each line written as it is logged (Serve's throughput settings buffer 1000)
             os.environ.update(private.serve_env({"RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": 1}))
         address = os.environ.get("RAY_ADDRESS")
@@ -181,14 +208,36 @@ class Server:
         say(f"deploying {what} replica(s) of {cfg.artifact} behind the {cfg.ingress} ingress")
         if running is None:  # a running Serve keeps its own options (and says so in a notice that reads like a failure)
             serve.start(http_options={"host": cfg.host, "port": cfg.port}, grpc_options=grpc_options(cfg.grpc_port))
+            self.serve_started = True  # (a drawn port taken fails serve.start, in its wait for the proxies)
         self.deployed = True  # from here on the application is this server's, even if serve.run fails halfway
         serve.run(application, name=APP_NAME, route_prefix="/")
         url = f"http://{cfg.host}:{cfg.port}"
         wait_routed(url)
         wait_all_routed(self.folder, APP_NAME, opts.min_replicas or opts.replicas, say)
-        # what stop() (or the supervisor, or a next start if this run is killed) ends
-        record(self.folder, tree=[p for p in descendants(os.getpid()) if (p, started_at(p)) not in before])
         return url
+
+    def _taken(self, failure: Exception, drawn: dict[int, str]) -> str | None:
+        """Why the start failed, when it is a port taken by a process not of this server's (before Serve could bind
+        it), as "port N (what) was taken by pid M (command)"; None for any other failure, or on a joined cluster, whose
+        ports are its nodes'. Raises FusionServeError naming the holder when the port is one the user chose (--port,
+        --grpc-port), never drawn again."""
+        if os.environ.get("RAY_ADDRESS"):
+            return None
+        ours = set(descendants(os.getpid())) | {os.getpid()}
+        foreign = {}
+        for port in (self.cfg.port, self.cfg.grpc_port, *drawn):
+            holder = port_holder("127.0.0.1", port) if port is not None else None
+            pid = re.match(r"pid (\d+) ", holder or "")
+            if holder is not None and (pid is None or int(pid[1]) not in ours):
+                foreign[port] = holder
+        refuse_held(self.cfg.host, {p: who for p, who in foreign.items() if p in (self.cfg.port, self.cfg.grpc_port)})
+        text = str(failure)
+        for port, what in drawn.items():
+            if port in foreign:
+                return f"port {port} ({what}) was taken by {foreign[port]}"
+            if str(port) in text and "bind" in text.lower():  # its holder is gone again: the failure names the port
+                return f"port {port} ({what}) was taken by another process"
+        return None
 
     def stop(self) -> None:
         """Take the application down if this server deployed it (its replicas drain what they hold) and leave Ray
@@ -196,20 +245,29 @@ class Server:
         run left (HAProxy outlives Ray's shutdown) and remove its folder. Deleting the one application instead of
         shutting Serve down leaves another team's applications on a shared cluster alone, and an application another
         server replaced since (``--replace``) is left alone too."""
+        self._leave_ray()
+        if self.supervisor != os.getppid():  # no supervisor (embedded), or it was killed (then: this one's parent-death signal)
+            end_run(self.folder)
+
+    def _leave_ray(self, shut_serve: bool = False) -> None:
+        """Take the application down if this server deployed it (``shut_serve``: Serve itself, which this server
+        started, so that Serve's client forgets its controller: the next Ray's first job has this one's id), and leave
+        Ray (see ``stop``)."""
         import ray
         from ray import serve
 
         if ray.is_initialized():
             try:
-                if self.deployed:
+                if shut_serve:
+                    serve.shutdown()
+                    self.serve_started = False
+                elif self.deployed:
                     delete_if_ours(serve, self.metrics_dir)
             except Exception as exc:  # Serve never came up, or is gone already: Ray still has to go
                 print(f"fusionserve: could not delete the application: {type(exc).__name__}: {exc}", file=sys.stderr)
             finally:
                 self.deployed = False
                 ray.shutdown()
-        if self.supervisor != os.getppid():  # no supervisor (embedded), or it was killed (then: this one's parent-death signal)
-            end_run(self.folder)
 
     def serve_forever(self) -> int:
         """Serve until SIGINT/SIGTERM, then stop; returns 0, or 1 when Ray's GCS or raylet died under the server (a
@@ -233,14 +291,16 @@ class Server:
             _on_signals(lambda *_: None)
             self.stop()
             raise
-        done = threading.Event()
-        _on_signals(lambda *_: done.set())
+        # the handler only notes the signal: a handler that takes a lock (Event.set) deadlocked the server when the signal
+        # came while the main thread held that lock itself (inside Event.wait); it then never stopped
+        asked: list[int] = []
+        _on_signals(lambda signum, _frame: asked.append(signum))
         say(f"serving {self.cfg.artifact} at {url} (docs at {url}/docs); Ctrl-C stops")
         died = False
         try:
-            # woken every second: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
-            # the handler only once it wakes (a plain wait() then never returns)
-            while not done.wait(1.0):
+            # woken every 0.1 s: a signal may be delivered to one of gRPC's or Ray's threads, and the main thread runs
+            # the handler only once it wakes; Ray's processes are checked every second
+            while not _sleep_unless(asked, 1.0):
                 dead = _ray_died()
                 if dead:
                     say(
@@ -252,12 +312,22 @@ class Server:
             if not (died and self.supervised):
                 say("shutting down")
                 self.stop()
+            elif self.supervisor != os.getppid():  # its supervisor is gone too: no one else ends what is left
+                end_run(self.folder)
         return 1 if died else 0
 
 
 def serve_forever(cfg: ServerConfig, run_folder: Path | None = None, supervised: bool = False) -> int:
     """``Server(cfg, run_folder, supervised).serve_forever()``: 0 after a clean stop, 1 when Ray died under it."""
     return Server(cfg, run_folder, supervised).serve_forever()
+
+
+def _sleep_unless(asked: list[int], seconds: float) -> bool:
+    """Sleep ``seconds``, in steps of 0.1 s, unless ``asked`` (the signals noted) has one; whether it has."""
+    deadline = time.monotonic() + seconds
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(asked)
 
 
 def _ray_died() -> str | None:
