@@ -18,7 +18,7 @@ from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
 from fusionserve.serving.model.activations import stats_document
 from fusionserve.serving.model.runtime import OnnxRunner
-from fusionserve.serving.process.ports import drawn_ports
+from fusionserve.serving.process.ports import draw_range
 from fusionserve.settings import PORT_RANGE_ENV
 from fusionserve.training import sources
 from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
@@ -37,7 +37,7 @@ def _worker_port_range() -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or count < 2:
         return
-    ports, index = drawn_ports(), int(worker.removeprefix("gw"))
+    ports, index = draw_range(), int(worker.removeprefix("gw"))
     size = len(ports) // count
     os.environ[PORT_RANGE_ENV] = f"{ports.start + index * size}-{ports.start + (index + 1) * size - 1}"
 

@@ -10,15 +10,15 @@ import sys
 import pytest
 
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.process.ports import REPLICA_GRPC_PORTS, drawn_ports, free_port, replica_grpc_ports
+from fusionserve.serving.process.ports import REPLICA_GRPC_PORTS, draw_range, free_port, replica_grpc_ports
 from fusionserve.settings import PORT_RANGE_ENV, port_range
 from tests.serving_helpers import free_port as a_free_port
 
 
 def test_every_draw_falls_in_the_range_it_is_given(monkeypatch):
-    base = drawn_ports()  # this worker's slice under pytest-xdist
+    base = draw_range()  # this worker's slice under pytest-xdist
     monkeypatch.setenv(PORT_RANGE_ENV, f"{base.start} - {base.start + 299}")  # blanks around the dash are fine
-    assert drawn_ports() == range(base.start, base.start + 300)
+    assert draw_range() == range(base.start, base.start + 300)
     grpc = replica_grpc_ports()
     assert len(grpc) == REPLICA_GRPC_PORTS + 1 and base.start <= grpc.start and grpc.stop <= base.start + 300
     ports = [free_port() for _ in range(40)]
@@ -26,7 +26,7 @@ def test_every_draw_falls_in_the_range_it_is_given(monkeypatch):
 
 
 def test_a_full_range_is_an_error_that_names_it(monkeypatch):
-    base = drawn_ports()
+    base = draw_range()
     monkeypatch.setenv(PORT_RANGE_ENV, f"{base.start}-{base.start + 2 * (REPLICA_GRPC_PORTS + 1) - 1}")
     with pytest.raises(FusionServeError, match=f"no free port left in {PORT_RANGE_ENV}"):
         for _ in range(2 * (REPLICA_GRPC_PORTS + 1) + 1):  # more than it holds: this process remembers its draws
@@ -53,7 +53,7 @@ def test_a_bad_range_is_refused_with_what_is_allowed(monkeypatch, value, says):
 
 def test_unset_or_empty_means_the_default_range(monkeypatch):
     monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
-    assert port_range() is None and drawn_ports() == range(20000, 32640)
+    assert port_range() is None and draw_range() == range(20000, 32640)
     monkeypatch.setenv(PORT_RANGE_ENV, " ")
     assert port_range() is None
 
@@ -77,5 +77,5 @@ def test_parallel_workers_draw_from_slices_of_their_own(monkeypatch):
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
         monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
         _worker_port_range()
-        slices.append(drawn_ports())
+        slices.append(draw_range())
     assert slices == [range(20000, 24213), range(24213, 28426), range(28426, 32639)]

@@ -28,7 +28,7 @@ _DEFAULT_PORTS = range(20000, 32768 - 2 * REPLICA_GRPC_PORTS)
 _LEAST_PORTS = 2 * (REPLICA_GRPC_PORTS + 1)  # a replicas' gRPC range and a server's other ports, with room to draw
 
 
-def drawn_ports() -> range:
+def draw_range() -> range:
     """The ports free_port draws from: ``$FUSIONSERVE_PORT_RANGE`` when set, else 20000-32639. Raises
     FusionServeError when the variable is malformed or holds fewer ports than one server takes."""
     chosen = port_range()
@@ -68,10 +68,10 @@ _GIVEN: set[int] = set()
 
 def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     """A TCP port nothing listens on right now (on ``host`` nor on every interface) and not handed out before by
-    this process, drawn at random from ``drawn_ports()`` (with ``span`` - 1 more ports above it in that range), outside
+    this process, drawn at random from ``draw_range()`` (with ``span`` - 1 more ports above it in that range), outside
     the kernel's ephemeral range and none of Ray's default ports. Where no such port is found: with the default range
     the kernel's choice, with ``$FUSIONSERVE_PORT_RANGE`` the first free one in it, or FusionServeError if none is."""
-    ports = drawn_ports()
+    ports = draw_range()
     starts = range(ports.start, ports.stop - span + 1)
     ephemeral = _ephemeral_ports()
 
@@ -101,7 +101,7 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
 
 def replica_grpc_ports() -> range:
     """A range of ``REPLICA_GRPC_PORTS`` + 1 ports for one server's replicas' own gRPC servers, starting at a free port,
-    inside ``drawn_ports()``; no later ``free_port`` of this process falls in it."""
+    inside ``draw_range()``; no later ``free_port`` of this process falls in it."""
     first = free_port(span=REPLICA_GRPC_PORTS + 1)
     ports = range(first, first + REPLICA_GRPC_PORTS + 1)
     _GIVEN.update(ports)
