@@ -80,6 +80,7 @@ def _shared_server_last(items: list[pytest.Item]) -> None:
     items[:] = rest + sorted(on_it, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed the suite runs serially
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``-n N`` (xdist's default distribution, ``load``): whole modules per worker and the shared server's tests as one
     group (tests/xdist_groups.py); another ``--dist`` is xdist's own."""
