@@ -10,6 +10,12 @@ key is never written into a config, an argument list Ray records, or a log.
 ``FUSIONSERVE_LOOPBACK_SHIM``: a build of the loopback shim (``serving/process/loopback_bind.c``) for ``fusionserve serve``
 to preload into the Ray it starts, instead of the one built with the package (serving/process/loopback.py).
 
+``FUSIONSERVE_PORT_RANGE``: ``LOW-HIGH`` (both included, within 1024-65535): the ports ``fusionserve serve`` draws its
+own from (HAProxy's stats and metrics pages, Serve's fallback proxy, the replicas' gRPC range of 65), instead of
+20000-32639. Give servers that start at the same time on one machine disjoint ranges, so that no two draw one port in
+the seconds before its user binds it (the test suite does this for its parallel workers). Avoid the kernel's ephemeral
+range (``/proc/sys/net/ipv4/ip_local_port_range``): Ray's processes connect from those ports while a server starts.
+
 ``FUSIONSERVE_OPEN_PORTS``: set by ``fusionserve serve`` for the Ray it starts, read by the shim itself: the ports
 (comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
 
@@ -25,11 +31,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fusionserve.errors import FusionServeError
+
 CACHE_ENV = "FUSIONSERVE_CACHE"
 # the loopback shim (serving/process/loopback.py): another build of it to preload; and the ports that keep the wildcard
 # address, set by the supervisor for the server it starts and read by the shim itself (loopback_bind.c)
 LOOPBACK_SHIM_ENV = "FUSIONSERVE_LOOPBACK_SHIM"
 OPEN_PORTS_ENV = "FUSIONSERVE_OPEN_PORTS"
+PORT_RANGE_ENV = "FUSIONSERVE_PORT_RANGE"  # LOW-HIGH: the ports fusionserve draws its own from (serving/process/ports.py)
 HANDOFF_ENV = "FUSIONSERVE_SERVER_HANDOFF"  # internal: what the supervisor hands the server process it starts
 
 
@@ -50,6 +59,21 @@ def parse_keys(value: str) -> tuple[str, ...]:
 def api_keys(variable: str = API_KEY_ENV) -> tuple[str, ...]:
     """The API keys in ``$variable`` (see ``parse_keys``): none when it is unset or empty."""
     return parse_keys(os.environ.get(variable, ""))
+
+
+def port_range() -> range | None:
+    """``$FUSIONSERVE_PORT_RANGE`` ("LOW-HIGH", both included) as a range; None when it is unset or empty. Raises
+    FusionServeError naming the variable, its value and what is allowed when it is not such a range."""
+    value = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not value:
+        return None
+    low, sep, high = value.partition("-")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+        raise FusionServeError(f"{PORT_RANGE_ENV} = {value!r} is not a port range; expected LOW-HIGH, e.g. 20000-24999")
+    ports = range(int(low), int(high) + 1)
+    if not 1024 <= ports.start < ports.stop <= 65536:
+        raise FusionServeError(f"{PORT_RANGE_ENV} = {value!r} is out of range; allowed: 1024 <= LOW <= HIGH <= 65535")
+    return ports
 
 
 def otlp_env() -> dict[str, str]:

@@ -58,7 +58,7 @@ def checks(source: str) -> Counter:
 def collected() -> int:
     """Tests pytest collects (the opt-in --image ones included: the default run collects and skips them)."""
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],  # xdist: addopts name it
         cwd=ROOT,
         capture_output=True,
         text=True,

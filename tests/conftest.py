@@ -4,6 +4,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
 from fusionserve.serving.model.activations import stats_document
 from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.process.ports import draw_range
+from fusionserve.settings import PORT_RANGE_ENV
 from fusionserve.training import sources
 from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
 from tests.adapterhub_models import TASKS, Built, build
@@ -24,6 +27,23 @@ from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
 from tests.serving_helpers import SHARED_ARGS, Served, SharedServers
+from tests.xdist_groups import longest_first, make_scheduler, write_groups
+
+
+def _worker_port_range() -> None:
+    """Under pytest-xdist each worker draws the servers' ports from its own slice of the range (FUSIONSERVE_PORT_RANGE,
+    read by serving/process/ports.py in this process and in every server it starts): two workers' servers drawing one
+    port in the seconds before its user binds it would fail one of them."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or count < 2:
+        return
+    ports, index = draw_range(), int(worker.removeprefix("gw"))
+    size = len(ports) // count
+    os.environ[PORT_RANGE_ENV] = f"{ports.start + index * size}-{ports.start + (index + 1) * size - 1}"
+
+
+_worker_port_range()
+
 
 # The tests run tiny models: a second intra-op thread adds nothing but contention on the shared 2 cores (the parity
 # check of one tiny export took 8.7 s with 2 threads on a busy machine, 0.6 s with 1).
@@ -38,6 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _shared_server_last(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: whole groups per worker (tests/xdist_groups.py)
+        items[:] = longest_first(items)
+        write_groups(items)
     if config.getoption("--image"):
         return
     skip = pytest.mark.skip(
@@ -55,6 +78,13 @@ def _shared_server_last(items: list[pytest.Item]) -> None:
     on_it = [item for item in items if "shared_server" in getattr(item, "fixturenames", ())]
     rest = [item for item in items if "shared_server" not in getattr(item, "fixturenames", ())]
     items[:] = rest + sorted(on_it, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed the suite runs serially
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``-n N`` (xdist's default distribution, ``load``): whole modules per worker and the shared server's tests as one
+    group (tests/xdist_groups.py); another ``--dist`` is xdist's own."""
+    return make_scheduler(config, log) if config.getvalue("dist") == "load" else None
 
 
 @pytest.fixture(scope="session", params=["safetensors", "bin"])

@@ -10,6 +10,9 @@ import random
 import socket
 from pathlib import Path
 
+from fusionserve.errors import FusionServeError
+from fusionserve.settings import PORT_RANGE_ENV, port_range
+
 # ports Ray's own processes take by default once they start, after our ports are chosen (the dashboard agent's
 # 52365 came out of the kernel's range once: HAProxy's stats page was given it, and HAProxy could not start)
 _RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
@@ -18,9 +21,25 @@ _RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
 # Ports drawn for a server lie below the kernel's ephemeral range (Linux's default 32768-60999) and above Ray's
 # worker ports (10002-19999): while a server starts, Ray's processes bind port 0 and connect from ephemeral ports, and
 # one of them could take a port chosen in that range before Serve binds it ("Failed to bind to address [::]:PORT";
-# seen once in a full run). Room is left above for a server's range of replica gRPC ports.
+# seen once in a full run). Room is left above for a server's range of replica gRPC ports. $FUSIONSERVE_PORT_RANGE
+# replaces the range (servers started side by side, e.g. the test suite's parallel workers, each get their own).
 REPLICA_GRPC_PORTS = 64  # replicas' gRPC ports a server's Ray node may hand out (a range of its own)
-_DRAWN_PORTS = range(20000, 32768 - 2 * REPLICA_GRPC_PORTS)
+_DEFAULT_PORTS = range(20000, 32768 - 2 * REPLICA_GRPC_PORTS)
+_LEAST_PORTS = 2 * (REPLICA_GRPC_PORTS + 1)  # a replicas' gRPC range and a server's other ports, with room to draw
+
+
+def draw_range() -> range:
+    """The ports free_port draws from: ``$FUSIONSERVE_PORT_RANGE`` when set, else 20000-32639. Raises
+    FusionServeError when the variable is malformed or holds fewer ports than one server takes."""
+    chosen = port_range()
+    if chosen is None:
+        return _DEFAULT_PORTS
+    if len(chosen) < _LEAST_PORTS:
+        raise FusionServeError(
+            f"{PORT_RANGE_ENV} = {os.environ[PORT_RANGE_ENV]!r} holds {len(chosen)} ports; a server needs at least"
+            f" {_LEAST_PORTS} (its replicas' gRPC range takes {REPLICA_GRPC_PORTS + 1})"
+        )
+    return chosen
 
 
 def _ephemeral_ports() -> range:
@@ -47,18 +66,30 @@ def _bindable(host: str, port: int) -> bool:
 _GIVEN: set[int] = set()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     """A TCP port nothing listens on right now (on ``host`` nor on every interface) and not handed out before by
-    this process, drawn at random outside the kernel's ephemeral range and none of Ray's default ports; the kernel's
-    choice if no such port is found."""
+    this process, drawn at random from ``draw_range()`` (with ``span`` - 1 more ports above it in that range), outside
+    the kernel's ephemeral range and none of Ray's default ports. Where no such port is found: with the default range
+    the kernel's choice, with ``$FUSIONSERVE_PORT_RANGE`` the first free one in it, or FusionServeError if none is."""
+    ports = draw_range()
+    starts = range(ports.start, ports.stop - span + 1)
     ephemeral = _ephemeral_ports()
-    for _ in range(256):
-        port = random.choice(_DRAWN_PORTS)
+
+    def usable(port: int) -> bool:
         if port in ephemeral or port in _RAY_DEFAULT_PORTS or port in _GIVEN:
-            continue
-        if _bindable(host, port) and _bindable("0.0.0.0", port):
+            return False
+        return _bindable(host, port) and _bindable("0.0.0.0", port)
+
+    for port in (random.choice(starts) for _ in range(256)):
+        if usable(port):
             _GIVEN.add(port)
             return port
+    if ports is not _DEFAULT_PORTS:
+        for port in starts:
+            if usable(port):
+                _GIVEN.add(port)
+                return port
+        raise FusionServeError(f"no free port left in {PORT_RANGE_ENV} = {os.environ[PORT_RANGE_ENV]!r}")
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
@@ -69,9 +100,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def replica_grpc_ports() -> range:
-    """A range of ``REPLICA_GRPC_PORTS`` + 1 ports for one server's replicas' own gRPC servers, starting at a free port;
-    no later ``free_port`` of this process falls in it."""
-    first = free_port()
+    """A range of ``REPLICA_GRPC_PORTS`` + 1 ports for one server's replicas' own gRPC servers, starting at a free port,
+    inside ``draw_range()``; no later ``free_port`` of this process falls in it."""
+    first = free_port(span=REPLICA_GRPC_PORTS + 1)
     ports = range(first, first + REPLICA_GRPC_PORTS + 1)
     _GIVEN.update(ports)
     return ports
