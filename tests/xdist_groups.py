@@ -27,12 +27,12 @@ def group_of(item: pytest.Item) -> str:
     return "shared_server" if "shared_server" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
 
 
-# The longest groups, longest first, as profiled (/work/notes/suite.md's table of seconds by module and the runs'
-# --durations): each starts servers or Ray several times. A stale entry only costs balance, never a test.
+# The longest groups, longest first, as profiled (the runs' --durations): each starts servers or Ray several times
+# (test_drawn_port_taken's one test starts Ray twice: 149 s on two workers). A stale entry only costs balance, never a test.
 LONGEST = [
     f"tests/test_{name}.py" if name != "shared_server" else name
     for name in (
-        "serving_faults", "serving_faults_load", "shared_server", "serve_config", "live_tasks", "cluster",
+        "serving_faults", "serving_faults_load", "drawn_port_taken", "shared_server", "serve_config", "live_tasks", "cluster",
         "default_model", "serving_api", "loopback", "score_ray", "backbones_export", "live_serving",
         "open_inference", "heads_serving", "process_cleanup", "serving_replicas", "serving_e2e", "int8_serving",
     )
