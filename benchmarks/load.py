@@ -253,14 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         write_md = not args.no_record
         record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), write_md)
         return 0
-    from fusionserve.serving.model.artifact import load_artifact
-
-    if args.artifact is None:
-        from fusionserve.cli.default import ensure_artifact
-
-        args.artifact = ensure_artifact()
-    art = load_artifact(args.artifact)
-    task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
+    args.artifact, task = servers.artifact_and_task(args.artifact, args.task)
     texts = load_texts(args.texts)
     logs = Path(tempfile.mkdtemp(prefix="fusionserve-load-"))
     if args.soak_only:  # a long run kept apart from the comparison (it may run while the machine does other work)

@@ -41,6 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from benchmarks.load import load_texts
 from benchmarks.report import RESULTS, machine, write_section
+from benchmarks.servers import artifact_and_task
 
 HERE = Path(__file__).parent
 VARIANTS = ("in-process, input order", "in-process, length-sorted", "score", "score --ray")
@@ -104,13 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = "python -m benchmarks.score " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    from fusionserve.cli.default import ensure_artifact
     from fusionserve.serving.model.artifact import load_artifact, sha256
     from fusionserve.serving.model.runtime import OnnxRunner
 
-    artifact = args.artifact or ensure_artifact()
+    artifact, task = artifact_and_task(args.artifact, args.task)
     art = load_artifact(artifact)
-    task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
     pool = load_texts(args.texts)
     texts = [pool[i % len(pool)] for i in range(args.rows)]
     cores = len(os.sched_getaffinity(0))

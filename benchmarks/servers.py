@@ -161,3 +161,16 @@ def batch_sums(port: int, task: str) -> tuple[float, float]:
 def body_maker(task: str, texts: list[str]) -> Any:
     encoded = [json.dumps({"task": task, "inputs": [t]}).encode() for t in texts]
     return lambda i: encoded[i % len(encoded)]
+
+
+def artifact_and_task(artifact: Path | None, task: str | None) -> tuple[Path, str]:
+    """The artifact a benchmark serves (default: the built-in model, exported on first use) and the task it asks
+    (default: the first fusion task, else the first task)."""
+    from fusionserve.serving.model.artifact import load_artifact
+
+    if artifact is None:
+        from fusionserve.cli.default import ensure_artifact
+
+        artifact = ensure_artifact()
+    art = load_artifact(artifact)
+    return artifact, task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))

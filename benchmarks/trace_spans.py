@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.httpload import closed_loop
     from benchmarks.load import load_texts
     from benchmarks.report import machine, record
-    from benchmarks.servers import body_maker
+    from benchmarks.servers import artifact_and_task, body_maker
     from benchmarks.tracing import start
     from tests.oip_helpers import start_receiver
 
@@ -176,14 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
-    from fusionserve.serving.model.artifact import load_artifact
-
-    if args.artifact is None:
-        from fusionserve.cli.default import ensure_artifact
-
-        args.artifact = ensure_artifact()
-    art = load_artifact(args.artifact)
-    task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
+    args.artifact, task = artifact_and_task(args.artifact, args.task)
     texts = load_texts("rotten_tomatoes")
     receiver, logs = start_receiver(), Path(tempfile.mkdtemp(prefix="fusionserve-trace-spans-"))
     result: dict[str, Any] = {"command": "python -m benchmarks.trace_spans " + " ".join(argv if argv is not None else sys.argv[1:]),

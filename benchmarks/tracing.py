@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks.httpload import closed_loop
 from benchmarks.load import load_texts
 from benchmarks.report import machine, record
-from benchmarks.servers import ROOT, body_maker
+from benchmarks.servers import ROOT, artifact_and_task, body_maker
 from benchmarks.trace_spans import measure
 from fusionserve.serving.process.ingress import free_port
 
@@ -131,14 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
-    from fusionserve.serving.model.artifact import load_artifact
-
-    if args.artifact is None:
-        from fusionserve.cli.default import ensure_artifact
-
-        args.artifact = ensure_artifact()
-    art = load_artifact(args.artifact)
-    task = args.task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
+    args.artifact, task = artifact_and_task(args.artifact, args.task)
     texts = load_texts("rotten_tomatoes")
     receiver, logs = start_receiver(), Path(tempfile.mkdtemp(prefix="fusionserve-tracing-"))
     result: dict[str, Any] = {"command": "python -m benchmarks.tracing " + " ".join(argv if argv is not None else sys.argv[1:]),
