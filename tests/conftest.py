@@ -1,4 +1,5 @@
 import os
+import signal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,7 +27,7 @@ from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
-from tests.serving_helpers import SHARED_ARGS, Served, SharedServers
+from tests.serving_helpers import MARK_ENV, SHARED_ARGS, Served, SharedServers, carrying, new_mark
 from tests.xdist_groups import longest_first, make_scheduler, write_groups
 
 
@@ -260,3 +261,13 @@ def shared_server(shared_servers, artifact) -> Served:
     Runtime thread and a 2 s body timeout, torch unimportable, started once for test_loopback, test_request_limits,
     test_serving_faults and test_serving_hardening (again after a test stopped it)."""
     return shared_servers.get("shared", artifact, *SHARED_ARGS, grpc=True)
+
+
+@pytest.fixture
+def marked() -> Iterator[tuple[str, dict[str, str]]]:
+    """A mark and an environment carrying it: every process of the servers started with that environment carries
+    the mark, and what is left of them at the test's end is killed."""
+    mark = new_mark()
+    yield mark, dict(os.environ, **{MARK_ENV: mark})
+    for pid in carrying(mark):
+        os.kill(pid, signal.SIGKILL)

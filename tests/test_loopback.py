@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -20,15 +19,12 @@ import pytest
 from fusionserve.serving.process import loopback
 from fusionserve.serving.process.server import ServerConfig
 from tests.serving_helpers import (
-    MARK_ENV,
     Served,
     call,
-    carrying,
     free_port,
     is_loopback,
     launch,
     listeners_once_up,
-    new_mark,
 )
 
 needs_shim = pytest.mark.skipif(
@@ -116,14 +112,6 @@ def _outside_ip() -> str:
     pytest.skip("this machine has no address outside loopback")
 
 
-@pytest.fixture
-def marked():
-    mark = new_mark()
-    yield dict(os.environ, **{MARK_ENV: mark})
-    for pid in carrying(mark):
-        os.kill(pid, signal.SIGKILL)
-
-
 def _classify_grpc(port: int, host: str = "127.0.0.1") -> int:
     import grpc
 
@@ -166,7 +154,8 @@ def test_with_host_0_0_0_0_only_the_serving_ports_listen_beyond_loopback(artifac
     """With --host 0.0.0.0 only the HTTP and gRPC ports are outside loopback, and they answer HTTP and gRPC at the
     machine's own address."""
     grpc_port = free_port("0.0.0.0")
-    served = launch(artifact, tmp_path / "serve.log", "--host", "0.0.0.0", "--grpc-port", str(grpc_port), env=marked)
+    _, env = marked
+    served = launch(artifact, tmp_path / "serve.log", "--host", "0.0.0.0", "--grpc-port", str(grpc_port), env=env)
     try:
         _only_the_serving_ports_beyond_loopback(served, grpc_port, "0.0.0.0")
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving_helpers import MARK_ENV, carrying, free_port, haproxy_config, launch, new_mark
+from tests.serving_helpers import carrying, free_port, haproxy_config, launch
 
 # Loaded by every Python process of the server (PYTHONPATH): once the server's module is imported, its serving loop's
 # per-second check raises, as an unexpected error in the loop would.
@@ -44,14 +44,6 @@ CRASH = textwrap.dedent(
     sys.meta_path.insert(0, _Hook())
     """
 )
-
-
-@pytest.fixture
-def marked():
-    mark = new_mark()
-    yield mark, dict(os.environ, **{MARK_ENV: mark})
-    for pid in carrying(mark):
-        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

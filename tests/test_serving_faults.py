@@ -16,7 +16,6 @@ import pytest
 
 from fusionserve.serving.process.ports import port_holder
 from tests.serving_helpers import (
-    MARK_ENV,
     alive,
     call,
     carrying,
@@ -25,22 +24,12 @@ from tests.serving_helpers import (
     haproxy_config,
     is_loopback,
     launch,
-    new_mark,
 )
 
 pytestmark = pytest.mark.slow
 
 BOUND_S = 30  # the targets are 5 s (port free) and 10 s (stopped, nothing left); room for a loaded 2-core machine
 TEXT = {"task": "rte", "inputs": ["a fine film"]}
-
-
-@pytest.fixture
-def marked():
-    """An environment whose mark every process of the servers started with it carries; what is left is ended."""
-    mark = new_mark()
-    yield mark, dict(os.environ, **{MARK_ENV: mark})
-    for pid in carrying(mark):
-        os.kill(pid, signal.SIGKILL)
 
 
 def _within(done: Callable[[], bool], bound_s: float = BOUND_S) -> float | None:
