@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         write_md = not args.no_record
         record(args.out, "load", "Load (HTTP, Ray Serve)", result, lambda path: plot(result, path), markdown(result), write_md)
         return 0
-    args.artifact, task = servers.artifact_and_task(args.artifact, args.task)
+    args.artifact, task, _ = servers.artifact_and_task(args.artifact, args.task)
     texts = load_texts(args.texts)
     logs = Path(tempfile.mkdtemp(prefix="fusionserve-load-"))
     if args.soak_only:  # a long run kept apart from the comparison (it may run while the machine does other work)

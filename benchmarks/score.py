@@ -105,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = "python -m benchmarks.score " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    from fusionserve.serving.model.artifact import load_artifact, sha256
+    from fusionserve.serving.model.artifact import sha256
     from fusionserve.serving.model.runtime import OnnxRunner
 
-    artifact, task = artifact_and_task(args.artifact, args.task)
-    art = load_artifact(artifact)
+    _, task, art = artifact_and_task(args.artifact, args.task)
     pool = load_texts(args.texts)
     texts = [pool[i % len(pool)] for i in range(args.rows)]
     cores = len(os.sched_getaffinity(0))

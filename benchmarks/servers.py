@@ -163,9 +163,9 @@ def body_maker(task: str, texts: list[str]) -> Any:
     return lambda i: encoded[i % len(encoded)]
 
 
-def artifact_and_task(artifact: Path | None, task: str | None) -> tuple[Path, str]:
-    """The artifact a benchmark serves (default: the built-in model, exported on first use) and the task it asks
-    (default: the first fusion task, else the first task)."""
+def artifact_and_task(artifact: Path | None, task: str | None) -> tuple[Path, str, Any]:
+    """The artifact a benchmark serves (default: the built-in model, exported on first use), the task it asks
+    (default: the first fusion task, else the first task) and the loaded artifact (``load_artifact``'s)."""
     from fusionserve.serving.model.artifact import load_artifact
 
     if artifact is None:
@@ -173,4 +173,4 @@ def artifact_and_task(artifact: Path | None, task: str | None) -> tuple[Path, st
 
         artifact = ensure_artifact()
     art = load_artifact(artifact)
-    return artifact, task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks)))
+    return artifact, task or next((n for n, t in art.tasks.items() if t.kind == "fusion"), next(iter(art.tasks))), art

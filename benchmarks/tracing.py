@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
-    args.artifact, task = artifact_and_task(args.artifact, args.task)
+    args.artifact, task, _ = artifact_and_task(args.artifact, args.task)
     texts = load_texts("rotten_tomatoes")
     receiver, logs = start_receiver(), Path(tempfile.mkdtemp(prefix="fusionserve-tracing-"))
     result: dict[str, Any] = {"command": "python -m benchmarks.tracing " + " ".join(argv if argv is not None else sys.argv[1:]),
