@@ -2,16 +2,24 @@
 replica, HAProxy, the server process, Ray's raylet. A worker node of a two-node cluster: tests/test_cluster.py. The
 figures: benchmarks/faults.py into benchmarks/RESULTS.md. Asserted here: no request hangs, none is lost but those in
 flight on the killed process, serving comes back (by itself, or after the restart a supervisor makes), nothing of a
-killed server is left. Then, on the server the last restart started, the faults of tests/test_serving_faults.py that
+killed server is left. First, before any fault, that `serve` said it was serving only once HAProxy routed to both
+replicas and that load reaches both (the test of tests/test_serving_replicas.py, which started a server of its own
+for it). Then, on the server the last restart started, the faults of tests/test_serving_faults.py that
 need a serving server and end it: ``kill -9`` of its whole group (the next start on the port reaps what is left) and
 a group SIGTERM. The tests run in this order, each on the server the one before left (``server["served"]``)."""
 
+import json
 import os
 import signal
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fusionserve.serving.process.ports import port_holder
+from fusionserve.serving.process.routing import routed_replicas
+from fusionserve.serving.process.server import APP_NAME
+from tests.adapterhub_models import SENTENCES
 from tests.fault_helpers import (
     CLIENTS,
     group_signal_stops,
@@ -60,6 +68,26 @@ def _under_load(served, fault, kill, restart=None) -> dict:
     assert result["lost"] <= CLIENTS, result  # at most one request in flight per client on the killed process
     assert result["back_after_s"] is not None and result["back_after_s"] <= BOUND_S, result
     return result
+
+
+def _post(url: str, body: dict) -> tuple[int, dict, str]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.status, json.loads(resp.read()), resp.headers.get("x-fusionserve-replica", "")
+
+
+def test_two_replicas_both_serve(server):
+    served = server["served"]  # as started: `serve` says it serves only once HAProxy routes to both replicas
+    # said before the wait for HAProxy existed: the second replica joined 0.5-2 s after "serving", and under load
+    # (CI) every request of the burst below went to the first
+    assert routed_replicas(haproxy_config(served.proc.pid).parent.parent, APP_NAME) == 2
+    body = {"task": "rte", "inputs": [SENTENCES[0]]}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _post(f"{served.url}/v1/classify", body), range(80)))
+    assert {status for status, _, _ in answers} == {200}
+    replicas = {replica for _, _, replica in answers}
+    assert len(replicas) == 2, replicas  # HAProxy spread the connections over both
+    assert len({json.dumps(answer) for _, answer, _ in answers}) == 1  # and both answer alike
 
 
 def test_a_killed_replica_is_replaced_and_the_other_serves_meanwhile(server):
