@@ -58,10 +58,12 @@ def _ray_start(node: Node, *args: str) -> None:
         raise RuntimeError(f"ray start for the {node.name} node failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
-def start_head(cpus: int, http_port: int, grpc_port: int) -> Node:
-    """The head node: the GCS, HAProxy on ``http_port`` / ``grpc_port`` (the ports Serve's config names)."""
+def start_head(cpus: int, http_port: int, grpc_port: int, env: dict[str, str] | None = None) -> Node:
+    """The head node: the GCS, HAProxy on ``http_port`` / ``grpc_port`` (the ports Serve's config names); ``env``:
+    more environment for the node (its workers, Serve's actors and replicas inherit it) and its drivers."""
     temp = Path(tempfile.mkdtemp(prefix="fsr-", dir="/tmp"))
-    node = Node("head", temp, _env(temp / "haproxy"), http_port=http_port, grpc_port=grpc_port, patterns=[str(temp)])
+    node_env = _env(temp / "haproxy") | (env or {})
+    node = Node("head", temp, node_env, http_port=http_port, grpc_port=grpc_port, patterns=[str(temp)])
     port = free_port()
     node.address = f"{_node_ip()}:{port}"
     _ray_start(node, "--head", "--port", str(port), "--num-cpus", str(cpus), "--resources", json.dumps({"head": 1}),

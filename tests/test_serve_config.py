@@ -36,6 +36,11 @@ LIMITS = ["--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "-
 SCALING = ["--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1", "--upscale-delay-s", "1",
            "--downscale-delay-s", "4", "--look-back-period-s", "2"]  # fmt: skip
 METADATA = (("application", "fusionserve"),)
+# Serve's replicas and handles push their autoscaling metrics to the controller every 10 s by default (Ray 2.60
+# serve/_private/constants.py): up to 10 s of load before the controller sees it, and again before it sees the load
+# gone. Pushed every second here, the autoscaling test waits (and loads the machine) that much less.
+PUSH_EVERY_1_S = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+                  "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def art(artifact):
 @pytest.fixture(scope="module")
 def deployed(art, tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve-config")
-    head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port())
+    head = ch.start_head(cpus=2, http_port=free_port(), grpc_port=free_port(), env=PUSH_EVERY_1_S)
     try:
         out = io.StringIO()
         with redirect_stdout(out):
