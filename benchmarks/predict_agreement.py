@@ -153,11 +153,11 @@ def markdown(result: dict[str, Any], command: str, precision: str, meta: dict[st
     lines = [
         f"`{command}` on {m['cpu']} ({m['cores']} cores; ISA flags: {m['isa']}), onnxruntime {m['onnxruntime']}, "
         f"{m['date']}. The {precision} artifact's labels through `fusionserve predict` against the fp32 artifact's "
-        f"(`{meta['reference']}`), texts only; target: >= {TARGET}% on each split (issue 38).",
+        f"(`{meta['reference']}`), texts only; target: >= {TARGET}% on each split (issue 38).{_runtime(meta)}",
         "",
         f"| split | agreement (texts that differ) | target {TARGET}% | logit change max / median | largest probability "
-        "change | accuracy fp32 / this (%) | predict's wall / CPU s, fp32 and this (load before-after) |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "change | accuracy fp32 / this (%) | predict's wall / CPU s, fp32; this (load before-after) | CPU x fp32 |",
+        "|---|---:|---|---:|---:|---:|---|---:|",
     ]
     for key, f in result["splits"].items():
         runs = result["runs"][key]
@@ -169,7 +169,7 @@ def markdown(result: dict[str, Any], command: str, precision: str, meta: dict[st
             f"| {SPLITS[key][1]} | {f['agreement']:.2f}% ({f['differ']} of {f['examples']}) | "
             f"{'met' if f['agreement'] >= TARGET else '**not met**'} | {f['logit_diff_max']:.4f} / "
             f"{f['logit_diff_median']:.4f} | {f['max_probability_change']:.4f} | {f['accuracy_ref']:.2f} / "
-            f"{f['accuracy']:.2f} | {times} |"
+            f"{f['accuracy']:.2f} | {times} | {runs['artifact']['cpu_s'] / runs['reference']['cpu_s']:.1f}x |"
         )
     lines += ["", "The texts whose label differs (fp32's logit margin: how close fp32 itself was to the other label):", ""]
     for key, f in result["splits"].items():
@@ -179,6 +179,16 @@ def markdown(result: dict[str, Any], command: str, precision: str, meta: dict[st
                 + "; ".join(f"row {t['row']} {t['ref']} -> {t['got']} (margin {t['ref_margin']:.3f})" for t in f["texts"])
             )
     return "\n".join(lines) + "\n"
+
+
+def _runtime(meta: dict[str, Any]) -> str:
+    """What ran a bf16 artifact, from its manifest: OpenVINO's version, the inference precision, the bf16 units."""
+    rt = meta.get("runtime")
+    if not rt:
+        return ""
+    units = ", ".join(rt.get("cpu_bf16_units") or []) or "none"
+    how = " (oneDNN's emulation: operands rounded to bf16, fp32 arithmetic)" if rt.get("emulated") else ""
+    return f" Runtime: {rt['name']} {rt['version']}, inference precision {rt['inference_precision']}, bf16 units: {units}{how}."
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -212,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
     args = p.parse_args(argv)
     command = ("python -m benchmarks.predict_agreement " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    precision = load_artifact(args.artifact).manifest["precision"]
+    manifest = load_artifact(args.artifact).manifest
+    precision = manifest["precision"]
     result = run(args.artifact, args.reference, args.workdir, args.splits)
     meta = {"reference": str(args.reference), "artifact": str(args.artifact), "precision": precision}
+    meta["runtime"] = manifest.get(precision, {}).get("runtime")
     text = markdown(result, command, precision, meta)
     key = f"predict_agreement_{precision}"
     title = f"{precision} as a user meets it: `fusionserve predict` against fp32 on the targets' test splits"
