@@ -187,7 +187,12 @@ def _runtime(meta: dict[str, Any]) -> str:
     if not rt:
         return ""
     units = ", ".join(rt.get("cpu_bf16_units") or []) or "none"
-    how = " (oneDNN's emulation: operands rounded to bf16, fp32 arithmetic)" if rt.get("emulated") else ""
+    how = (
+        " (oneDNN's AVX-512 emulation: the operands rounded to bf16 as AMX's tiles and AVX-512 BF16 round them, the "
+        "products accumulated in fp32; the order of accumulation can differ on AMX, so a rerun there is the check)"
+        if rt.get("emulated")
+        else ""
+    )
     return f" Runtime: {rt['name']} {rt['version']}, inference precision {rt['inference_precision']}, bf16 units: {units}{how}."
 
 
