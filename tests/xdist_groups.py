@@ -34,7 +34,7 @@ LONGEST = [
     for name in (
         "serving_faults", "serving_faults_load", "drawn_port_taken", "shared_server", "serve_config", "live_tasks", "cluster",
         "default_model", "serving_api", "loopback", "score_ray", "backbones_export", "live_serving",
-        "open_inference", "heads_serving", "process_cleanup", "serving_replicas", "serving_e2e", "int8_serving",
+        "open_inference", "tracing_server", "heads_serving", "process_cleanup", "serving_replicas", "serving_e2e", "int8_serving",
     )
 ]  # fmt: skip
 

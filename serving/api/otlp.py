@@ -1,13 +1,14 @@
 """OTLP/HTTP export of spans, written as protobuf directly (serving/api/tracing.py makes a request's spans here).
 
-Why not the SDK's tracer, batch processor and exporter: they made and encoded a request's eight spans in about 430 µs
-of CPU (a Python ``Span`` per span, a lock, the processor's hooks, then the encoder walking them again), and their
-export thread another ~150 µs; on two cores that was 4-7% of the throughput. Built as ``opentelemetry.proto``
-messages (upb, C), the same spans cost ~55 µs (figures: benchmarks/RESULTS.md, "Tracing (OpenTelemetry)").
+Why not the SDK's tracer, batch processor and exporter: in a replica at 16 clients they cost ~590 µs of CPU a
+request (a Python ``Span`` per span with its lock and the processor's hooks, the encoder walking them again, the
+export thread), about 4% of the replica's CPU on the built-in model; built as ``opentelemetry.proto`` messages (upb,
+C) and sent from the thread that makes them, ~170 µs (figures: benchmarks/RESULTS.md, "Tracing (OpenTelemetry)").
 
 The settings are OpenTelemetry's own variables, read once when the tracer starts: ``OTEL_EXPORTER_OTLP_[TRACES_]
 HEADERS`` (``key=value,...``, values URL-encoded), ``..._TIMEOUT`` (seconds, as the Python SDK reads it; default 10),
-``..._COMPRESSION`` (``gzip`` or none), ``..._CERTIFICATE`` (a CA file for https), and the batch processor's
+``..._COMPRESSION`` (``gzip`` or none), ``..._CERTIFICATE`` (a CA file for https), ``..._CLIENT_CERTIFICATE`` and
+``..._CLIENT_KEY`` (a client certificate for https), and the batch processor's
 ``OTEL_BSP_SCHEDULE_DELAY`` (ms, default 5000), ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` (spans, 512) and
 ``OTEL_BSP_MAX_QUEUE_SIZE`` (requests waiting to be made into spans, 2048; past it a request's trace is dropped).
 """
@@ -58,6 +59,7 @@ class Settings:
     timeout_s: float = 10.0
     gzip: bool = False
     certificate: str | None = None
+    client_certificate: tuple[str, str | None] | None = None  # a client certificate file and its key file (mTLS)
     delay_s: float = 5.0
     batch_spans: int = 512
     queue_size: int = 2048
@@ -74,6 +76,7 @@ class Settings:
             float(_env("TIMEOUT") or 10),
             compression == "gzip",
             _env("CERTIFICATE"),
+            (cert, _env("CLIENT_KEY")) if (cert := _env("CLIENT_CERTIFICATE")) else None,
             _number("OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000,
             max(1, int(_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))),
             max(1, int(_number("OTEL_BSP_MAX_QUEUE_SIZE", 2048))),
@@ -160,6 +163,8 @@ class Exporter:
         if self._conn is None:
             if self._https:
                 context = ssl.create_default_context(cafile=self.settings.certificate)
+                if self.settings.client_certificate is not None:
+                    context.load_cert_chain(*self.settings.client_certificate)
                 self._conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s, context=context)
             else:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
