@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -220,3 +222,15 @@ def test_making_and_encoding_a_requests_spans_costs_little_cpu(receiver, otel_en
     tracer.exporter.encode(out)
     print(f"spans made and encoded: {(time.thread_time() - started) / len(traces) * 1e6:.0f} µs CPU a request")
     assert len(out) == 8 * len(traces)
+
+
+def test_without_an_endpoint_no_tracer_exists_and_nothing_of_opentelemetry_is_imported():
+    code = (
+        "import os, sys\n"
+        "[os.environ.pop(k) for k in list(os.environ) if k.startswith('OTEL_')]\n"
+        "from fusionserve.serving.api import tracing\n"
+        "assert tracing.tracer_from(None, 1.0) is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry') or m.endswith('.otlp')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "[]", out
