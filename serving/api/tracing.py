@@ -201,7 +201,10 @@ class Tracer:
                     continue
             while spans:
                 batch, spans = spans[: self.settings.batch_spans], spans[self.settings.batch_spans :]
-                self.exporter.export(batch)
+                try:
+                    self.exporter.export(batch)
+                except Exception:  # the exporter's own failures are logged there; anything else must not stop tracing
+                    logging.getLogger("ray.serve").getChild("fusionserve").exception("could not export spans")
             due = time.monotonic() + self.settings.delay_s
             if self._todo.empty():
                 self._idle.set()
