@@ -200,8 +200,8 @@ def test_the_queue_of_requests_is_bounded(otel_env):
     """A collector that takes the connection and never answers holds the export; the requests after it wait, at most
     OTEL_BSP_MAX_QUEUE_SIZE of them, the rest dropped (counted), never more memory."""
     otel_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "3")
-    otel_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "1")
-    otel_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "3")
+    otel_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "8")  # one request's spans: sent at once
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1.5")
     with socket.create_server(("127.0.0.1", 0)) as mute:  # listens, never accepts: connects, no answer
         tracer = Tracer(f"http://127.0.0.1:{mute.getsockname()[1]}/v1/traces", 1.0)
         tracer.record(_request(tracer))
@@ -209,6 +209,9 @@ def test_the_queue_of_requests_is_bounded(otel_env):
         for _ in range(50):
             tracer.record(_request(tracer))
         assert tracer.dropped == 47 and tracer._todo.qsize() == 3
+        while not tracer._todo.empty():  # nothing left for after the test: its thread ends its hung export, then idles
+            tracer._todo.get_nowait()
+        assert tracer.flush(10)
 
 
 def test_making_and_encoding_a_requests_spans_costs_little_cpu(receiver, otel_env):
