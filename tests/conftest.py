@@ -22,7 +22,7 @@ from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.process.ports import draw_range
 from fusionserve.settings import PORT_RANGE_ENV
 from fusionserve.training import sources
-from tests import checkpoint_helpers, export_helpers, prune_helpers, runtime_helpers
+from tests import checkpoint_helpers, cpu_profile, export_helpers, prune_helpers, runtime_helpers
 from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
@@ -51,6 +51,10 @@ _worker_port_range()
 torch.set_num_threads(1)
 
 # --- opt-in tests: `image` builds the container image (many minutes on 2 cores), not part of the default run -----
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cpu_profile.register(config)  # opt-in: FUSIONSERVE_CPU_CGROUP and FUSIONSERVE_CPU_PROFILE (tests/cpu_profile.py)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

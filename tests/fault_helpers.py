@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STOP_S = 30  # the targets are 5 s (port free) and 10 s (stopped, nothing left); room for a loaded 2-core machine
 CLIENTS = 16
 TIMEOUT_S = 20.0  # one attempt's timeout: a request that takes this long is a hang
 BODY = json.dumps({"task": "rte", "inputs": ["a fine film, well acted"]}).encode()
@@ -181,3 +182,56 @@ def kill_raylet(server_pid: int) -> list[int]:
     pid = next(p for p, c in processes(server_pid).items() if "/raylet/raylet " in c)
     os.kill(pid, signal.SIGKILL)
     return [pid]
+
+
+# --- what the fault tests check after a kill or a signal (tests/test_serving_faults*.py) ---------------------------
+
+
+def within(done: Callable[[], bool], bound_s: float = STOP_S) -> float | None:
+    """Seconds until ``done()`` holds, or None when it does not within ``bound_s``."""
+    started = time.monotonic()
+    while not done():
+        if time.monotonic() - started > bound_s:
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def left(pids: set[int]) -> list[bytes]:
+    """The start of the command line of those of ``pids`` that still run."""
+    from tests.serving_helpers import alive
+
+    return [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in alive(pids)]
+
+
+def haproxy(server_pid: int) -> int:
+    """The HAProxy process of the server ``server_pid``."""
+    from tests.serving_helpers import haproxy_config
+
+    config = str(haproxy_config(server_pid))
+    return next(p for p, c in processes(server_pid).items() if config in c)
+
+
+def group_signal_stops(served, sig: int, mark: str) -> None:
+    """``sig`` to the process group of the serving ``served`` (started with ``own_group``, its environment carrying
+    ``mark``): it exits 0 within ``STOP_S`` without a traceback, nothing carrying the mark is left and its run folder
+    is gone."""
+    import subprocess
+
+    import pytest
+
+    from tests.serving_helpers import carrying, haproxy_config
+
+    folder = haproxy_config(served.proc.pid).parent.parent
+    sent = time.monotonic()
+    os.killpg(served.proc.pid, sig)
+    try:
+        code = served.proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {STOP_S} s after a group {signal.Signals(sig).name}:\n{served.log.read_text()[-2000:]}")
+    exited_s = time.monotonic() - sent
+    gone_s = within(lambda: not carrying(mark))
+    print(f"\ngroup {signal.Signals(sig).name} while serving: exit {code} after {exited_s:.1f} s, nothing left after {gone_s} s")
+    assert code == 0 and "Traceback" not in served.log.read_text(), served.log.read_text()[-3000:]
+    assert gone_s is not None, carrying(mark)
+    assert not folder.exists()

@@ -1,7 +1,7 @@
 """The process machinery's own faults: a server whose serving loop crashes exits non-zero (so that systemd's
 ``Restart=on-failure`` restarts it) and leaves nothing; clean-up ends only the processes a run started (a ``tail -f``
-of its HAProxy config, or an embedding program's other children, are not the run's); each test ends only what it
-started, by pid."""
+of its HAProxy config, or an embedding program's other children, are not the run's: the latter checked on the embedded
+server of tests/test_drawn_port_taken.py); each test ends only what it started, by pid."""
 
 import os
 import signal
@@ -250,47 +250,3 @@ def test_the_reap_ends_a_haproxy_of_the_dead_run_that_its_record_missed(tmp_path
         for proc in procs:
             proc.kill()
             proc.wait()
-
-
-EMBEDDED = textwrap.dedent(
-    """
-    import os, signal, subprocess, sys, threading
-
-    from fusionserve.serving.process.server import ServerConfig, serve_forever
-
-    other = subprocess.Popen(["sleep", "300"])  # the embedding program's own child
-    real = sys.stderr
-
-
-    class Watch:  # stops the server (SIGINT, as Ctrl-C) once it says it serves
-        def write(self, text):
-            if "fusionserve: serving" in text:
-                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-            return real.write(text)
-
-        def __getattr__(self, name):  # fileno, flush, ...: the real stream's
-            return getattr(real, name)
-
-
-    sys.stderr = Watch()
-    serve_forever(ServerConfig(sys.argv[1], port=int(sys.argv[2])))
-    print("other child:", "alive" if other.poll() is None else f"ended ({other.returncode})", flush=True)
-    other.kill()
-    """
-)
-
-
-@pytest.mark.slow
-def test_an_embedded_server_ends_none_of_its_callers_other_children(artifact, tmp_path, marked):
-    """serve_forever in the caller's own process recorded every descendant of that process as the run's, and its stop
-    ended them: a program embedding the server lost its other children."""
-    _, env = marked
-    script = tmp_path / "embed.py"
-    script.write_text(EMBEDDED)
-    done = subprocess.run(
-        [sys.executable, str(script), str(artifact), str(free_port())],
-        capture_output=True, text=True, timeout=300, env=dict(env, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0"),
-        check=False,
-    )  # fmt: skip
-    assert done.returncode == 0 and "fusionserve: serving" in done.stderr, done.stderr[-3000:]
-    assert "other child: alive" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -1,86 +1,25 @@
-"""Faults a supervised server meets, sent as operators send them: to the whole process group (the server is started as
-the leader of its own group, as a terminal, systemd or a container runtime starts it), ``kill -9`` of the server,
-``kill -9`` of the whole group, then a restart on the same port. Nothing of a run may outlive it, a restart must
-serve, a stop must end with exit 0. Each test ends only the processes it started (by pid, found by the mark in their
-environment)."""
+"""Faults a supervised server meets, sent as operators send them: signals to the whole process group (the server is
+started as the leader of its own group, as a terminal, systemd or a container runtime starts it) while it starts and
+while it serves. Nothing of a run may outlive it, a stop must end with exit 0. ``kill -9`` of the server and of its
+whole group, each followed by a restart on the same port, and a group SIGTERM while serving: in the sequence of
+tests/test_serving_faults_load.py, on its server (one start less each). Each test ends only the processes it started
+(by pid, found by the mark in their environment)."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from fusionserve.serving.process.ports import port_holder
-from tests.serving_helpers import (
-    alive,
-    call,
-    carrying,
-    descendants,
-    free_port,
-    haproxy_config,
-    is_loopback,
-    launch,
-)
+from tests.fault_helpers import STOP_S, group_signal_stops, within
+from tests.serving_helpers import carrying, descendants, free_port, is_loopback, launch
 
 pytestmark = pytest.mark.slow
 
-BOUND_S = 30  # the targets are 5 s (port free) and 10 s (stopped, nothing left); room for a loaded 2-core machine
 TEXT = {"task": "rte", "inputs": ["a fine film"]}
-
-
-def _within(done: Callable[[], bool], bound_s: float = BOUND_S) -> float | None:
-    """Seconds until ``done()`` holds, or None when it does not within ``bound_s``."""
-    started = time.monotonic()
-    while not done():
-        if time.monotonic() - started > bound_s:
-            return None
-        time.sleep(0.1)
-    return time.monotonic() - started
-
-
-def _left(pids: set[int]) -> list[bytes]:
-    return [Path(f"/proc/{p}/cmdline").read_bytes()[:100] for p in alive(pids)]
-
-
-def _haproxy(pid: int) -> int:
-    config = haproxy_config(pid)
-    return next(p for p in descendants(pid) if str(config) in Path(f"/proc/{p}/cmdline").read_text(errors="replace"))
-
-
-def test_a_killed_server_leaves_nothing_and_a_restart_on_its_port_serves(artifact, tmp_path, marked):
-    """kill -9 of the server (the OOM killer, a crash): HAProxy outlived it, holding the port and answering 500, and a
-    restart was refused ("already in use by pid N (haproxy)"); Ray's processes took a minute to go. Then kill -9 of the
-    whole group, which no process of the server sees coming: the next start reaps what the run left."""
-    _, env = marked
-    port = free_port()
-    first = launch(artifact, tmp_path / "first.log", port=port, env=env, own_group=True)
-    tree, folder = descendants(first.proc.pid), haproxy_config(first.proc.pid).parent.parent
-    os.kill(first.proc.pid, signal.SIGKILL)
-    first.proc.wait()
-    free_s = _within(lambda: port_holder("127.0.0.1", port) is None)
-    gone_s = _within(lambda: not alive(tree))
-    print(f"\nkill -9 of the server: port free after {free_s} s, its {len(tree)} processes gone after {gone_s} s")
-    assert free_s is not None, port_holder("127.0.0.1", port)
-    assert gone_s is not None, _left(tree)
-    assert not folder.exists()
-
-    second = launch(artifact, tmp_path / "second.log", port=port, env=env, own_group=True)
-    assert call(second.url + "/v1/classify", TEXT)[0] == 200
-    tree, folder, haproxy = descendants(second.proc.pid), haproxy_config(second.proc.pid).parent.parent, _haproxy(second.proc.pid)
-    os.killpg(second.proc.pid, signal.SIGKILL)  # HAProxy, in the process group of Serve's worker, outlives this
-    second.proc.wait()
-
-    third = launch(artifact, tmp_path / "third.log", port=port, env=env, own_group=True)
-    assert call(third.url + "/v1/classify", TEXT)[0] == 200
-    assert not folder.exists() and not alive({haproxy})
-    assert _within(lambda: not alive(tree)) is not None, _left(tree)
-
-    os.killpg(third.proc.pid, signal.SIGTERM)
-    assert third.proc.wait(BOUND_S) == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -99,36 +38,26 @@ def test_a_group_signal_while_starting_stops_everything_and_exits_0(artifact, tm
     sent = time.monotonic()
     os.killpg(proc.pid, sig)
     try:
-        code = proc.wait(BOUND_S)
+        code = proc.wait(STOP_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {BOUND_S} s after a group {sig.name}:\n{log.read_text()[-2000:]}")
+        pytest.fail(f"still running {STOP_S} s after a group {sig.name}:\n{log.read_text()[-2000:]}")
     exited_s = time.monotonic() - sent
-    gone_s = _within(lambda: not carrying(mark))
+    gone_s = within(lambda: not carrying(mark))
     print(f"\ngroup {sig.name} while starting: exit {code} after {exited_s:.1f} s, nothing left after {gone_s} s")
     assert code == 0, log.read_text()[-3000:]
     assert gone_s is not None, carrying(mark)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT], ids=["SIGINT"])
 def test_a_group_signal_while_serving_stops_everything_and_exits_0(artifact, tmp_path, marked, sig):
     """SIGTERM to the group (systemd's default KillMode=control-group, `kill -TERM -PGID`) reached Ray's GCS and raylet
     with the server: "shutting down", then 60 s waiting for the GCS, exit 1, HAProxy left holding the port. SIGINT to
-    the group is Ctrl-C in a terminal (Ray's processes block SIGINT: that one was clean)."""
+    the group is Ctrl-C in a terminal (Ray's processes block SIGINT: that one was clean). SIGTERM: on the server of
+    tests/test_serving_faults_load.py at its end (``test_a_group_sigterm_while_serving_stops_everything_and_exits_0``),
+    where a start of its own cost a whole server start more."""
     mark, env = marked
     served = launch(artifact, tmp_path / "serve.log", env=env, own_group=True)
-    folder = haproxy_config(served.proc.pid).parent.parent
-    sent = time.monotonic()
-    os.killpg(served.proc.pid, sig)
-    try:
-        code = served.proc.wait(BOUND_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {BOUND_S} s after a group {sig.name}:\n{served.log.read_text()[-2000:]}")
-    exited_s = time.monotonic() - sent
-    gone_s = _within(lambda: not carrying(mark))
-    print(f"\ngroup {sig.name} while serving: exit {code} after {exited_s:.1f} s, nothing left after {gone_s} s")
-    assert code == 0 and "Traceback" not in served.log.read_text(), served.log.read_text()[-3000:]
-    assert gone_s is not None, carrying(mark)
-    assert not folder.exists()
+    group_signal_stops(served, sig, mark)
 
 
 def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(shared_server):

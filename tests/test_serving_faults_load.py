@@ -2,17 +2,37 @@
 replica, HAProxy, the server process, Ray's raylet. A worker node of a two-node cluster: tests/test_cluster.py. The
 figures: benchmarks/faults.py into benchmarks/RESULTS.md. Asserted here: no request hangs, none is lost but those in
 flight on the killed process, serving comes back (by itself, or after the restart a supervisor makes), nothing of a
-killed server is left."""
+killed server is left. First, before any fault, that `serve` said it was serving only once HAProxy routed to both
+replicas and that load reaches both (the test of tests/test_serving_replicas.py, which started a server of its own
+for it). Then, on the server the last restart started, the faults of tests/test_serving_faults.py that
+need a serving server and end it: ``kill -9`` of its whole group (the next start on the port reaps what is left) and
+a group SIGTERM. The tests run in this order, each on the server the one before left (``server["served"]``)."""
 
+import json
 import os
 import signal
-import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fusionserve.serving.process.ports import port_holder
-from tests.fault_helpers import CLIENTS, kill_haproxy, kill_raylet, kill_replica, processes, under_load
-from tests.serving_helpers import MARK_ENV, alive, carrying, free_port, launch, new_mark
+from fusionserve.serving.process.routing import routed_replicas
+from fusionserve.serving.process.server import APP_NAME
+from tests.adapterhub_models import SENTENCES
+from tests.fault_helpers import (
+    CLIENTS,
+    group_signal_stops,
+    haproxy,
+    kill_haproxy,
+    kill_raylet,
+    kill_replica,
+    left,
+    processes,
+    under_load,
+    within,
+)
+from tests.serving_helpers import MARK_ENV, alive, call, carrying, free_port, haproxy_config, launch, new_mark
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +70,26 @@ def _under_load(served, fault, kill, restart=None) -> dict:
     return result
 
 
+def _post(url: str, body: dict) -> tuple[int, dict, str]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.status, json.loads(resp.read()), resp.headers.get("x-fusionserve-replica", "")
+
+
+def test_two_replicas_both_serve(server):
+    served = server["served"]  # as started: `serve` says it serves only once HAProxy routes to both replicas
+    # said before the wait for HAProxy existed: the second replica joined 0.5-2 s after "serving", and under load
+    # (CI) every request of the burst below went to the first
+    assert routed_replicas(haproxy_config(served.proc.pid).parent.parent, APP_NAME) == 2
+    body = {"task": "rte", "inputs": [SENTENCES[0]]}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _post(f"{served.url}/v1/classify", body), range(80)))
+    assert {status for status, _, _ in answers} == {200}
+    replicas = {replica for _, _, replica in answers}
+    assert len(replicas) == 2, replicas  # HAProxy spread the connections over both
+    assert len({json.dumps(answer) for _, answer, _ in answers}) == 1  # and both answer alike
+
+
 def test_a_killed_replica_is_replaced_and_the_other_serves_meanwhile(server):
     served = server["served"]
     killed = []
@@ -68,23 +108,29 @@ def test_a_killed_haproxy_is_started_again(server):
 
 
 def test_a_killed_server_is_restarted_on_its_port(server):
-    """kill -9 of the server process (what systemd or a container runtime knows): the server it started stops as on
-    SIGTERM, the port is freed, and a restart on the same port serves (a supervisor's restart, made here by hand)."""
+    """kill -9 of the server process (what systemd or a container runtime knows; the OOM killer, a crash): the server
+    it started stops as on SIGTERM, the port is freed and nothing of the run is left (HAProxy outlived it, holding the
+    port and answering 500, and a restart was refused "already in use by pid N (haproxy)"; Ray's processes took a
+    minute to go), and a restart on the same port serves (a supervisor's restart, made here by hand)."""
     served = server["served"]
-    tree = processes(served.proc.pid)
+    tree, folder = processes(served.proc.pid), haproxy_config(served.proc.pid).parent.parent
+    after: dict[str, object] = {}
 
     def kill():
         os.kill(served.proc.pid, signal.SIGKILL)
         served.proc.wait()
 
     def restart():
-        deadline = time.monotonic() + BOUND_S
-        while port_holder("127.0.0.1", served.port) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        after["free_s"] = within(lambda: port_holder("127.0.0.1", served.port) is None)
+        after["gone_s"] = within(lambda: not alive(set(tree)))
+        after["folder_left"] = folder.exists()  # before the next start, which would reap it
         server["served"] = server["start"]("after-kill")
 
     _under_load(served, "server (kill -9)", kill, restart=restart)
-    assert not alive(set(tree)), [tree[p] for p in alive(set(tree))]
+    print(f"kill -9 of the server: port free after {after['free_s']} s, its {len(tree)} processes gone after {after['gone_s']} s")
+    assert after["free_s"] is not None, port_holder("127.0.0.1", served.port)
+    assert after["gone_s"] is not None, left(set(tree))
+    assert after["folder_left"] is False
 
 
 def test_a_killed_raylet_ends_the_server_cleanly_and_a_restart_serves(server):
@@ -104,3 +150,23 @@ def test_a_killed_raylet_ends_the_server_cleanly_and_a_restart_serves(server):
     _under_load(served, "raylet", kill, restart=restart)
     assert codes == [1], served.log.read_text()[-2000:]
     assert not alive(set(tree)), [tree[p] for p in alive(set(tree))]
+
+
+def test_a_killed_group_leaves_what_the_next_start_on_its_port_reaps(server):
+    """kill -9 of the whole group, which no process of the server sees coming (HAProxy, in the process group of Serve's
+    worker, outlives it): the next start on the port ends what the run left and removes its folder, and serves."""
+    served = server["served"]
+    tree, folder, proxy = set(processes(served.proc.pid)), haproxy_config(served.proc.pid).parent.parent, haproxy(served.proc.pid)
+    os.killpg(served.proc.pid, signal.SIGKILL)
+    served.proc.wait()
+    server["served"] = server["start"]("after-group-kill")
+    assert call(server["served"].url + "/v1/classify", {"task": "rte", "inputs": ["a fine film"]})[0] == 200
+    assert not folder.exists() and not alive({proxy})
+    assert within(lambda: not alive(tree)) is not None, left(tree)
+
+
+def test_a_group_sigterm_while_serving_stops_everything_and_exits_0(server):
+    """SIGTERM to the group (systemd's default KillMode=control-group, `kill -TERM -PGID`) reached Ray's GCS and raylet
+    with the server: "shutting down", then 60 s waiting for the GCS, exit 1, HAProxy left holding the port. Group
+    SIGINT (Ctrl-C): tests/test_serving_faults.py."""
+    group_signal_stops(server["served"], signal.SIGTERM, server["mark"])

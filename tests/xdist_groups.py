@@ -27,14 +27,15 @@ def group_of(item: pytest.Item) -> str:
     return "shared_server" if "shared_server" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
 
 
-# The longest groups, longest first, as profiled (the runs' --durations): each starts servers or Ray several times
-# (test_drawn_port_taken's one test starts Ray twice: 149 s on two workers). A stale entry only costs balance, never a test.
+# The longest groups, longest first, as profiled (the runs' --durations, scripts/cpu_profile.py): each starts servers
+# or Ray several times. A stale entry only costs balance, never a test.
 LONGEST = [
     f"tests/test_{name}.py" if name != "shared_server" else name
     for name in (
-        "serving_faults", "serving_faults_load", "drawn_port_taken", "shared_server", "serve_config", "live_tasks", "cluster",
-        "default_model", "serving_api", "loopback", "score_ray", "backbones_export", "live_serving",
-        "open_inference", "heads_serving", "process_cleanup", "serving_replicas", "serving_e2e", "int8_serving",
+        "serving_faults_load", "serve_config", "open_inference", "serving_faults", "shared_server", "backbones_int8",
+        "backbones_export", "default_model", "cluster", "head_kinds_export", "backbones_serving", "process_cleanup",
+        "score_ray", "loopback", "serving_api", "live_tasks", "heads_files", "heads_serving", "tracing_server", "live_serving",
+        "int8_serving", "drawn_port_taken", "serving_e2e",
     )
 ]  # fmt: skip
 

@@ -18,21 +18,33 @@ ADMIN_SOCKET = "a.sock"  # HAProxy's admin socket's name in the run folder (ingr
 
 def routed_replicas(folder: Path, app: str) -> int | None:
     """How many of ``app``'s replicas the HAProxy started from ``folder`` routes to right now, read from its admin
-    socket; None when there is no such HAProxy (another ingress, or a joined cluster whose node started its own)."""
+    socket; None when there is no such HAProxy (another ingress, or a joined cluster whose node started its own).
+    A folder can hold the socket of an earlier Ray node too (a start that drew a taken port starts Ray again in the
+    same run folder, under a new node id): the newest socket that answers counts. When none answers (HAProxy is being
+    reloaded) nothing is routed this time: 0."""
     sockets = admin_sockets(folder, ADMIN_SOCKET)
     if not sockets:
         return None
+    for path in sorted(sockets, key=_mtime, reverse=True):
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(5)
+                s.connect(str(path))
+                s.sendall(b"show stat\n")
+                chunks = []
+                while chunk := s.recv(65536):
+                    chunks.append(chunk)
+        except OSError:  # a socket left by an HAProxy that is gone, or one being reloaded
+            continue
+        return routed(b"".join(chunks).decode(errors="replace"), app)
+    return 0
+
+
+def _mtime(path: Path) -> float:
     try:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(5)
-            s.connect(str(sockets[0]))
-            s.sendall(b"show stat\n")
-            chunks = []
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
-    except OSError:  # HAProxy is being reloaded: nothing to count this time
-        return 0
-    return routed(b"".join(chunks).decode(errors="replace"), app)
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def wait_routed(url: str, timeout_s: float = 120.0) -> None:
