@@ -19,6 +19,10 @@ from the fp32 artifact as ``export --precision int8`` does (``models.int8_copy``
 - ``AdapterHub eager fp32`` and ``AdapterHub eager bf16 autocast`` (``torch.autocast("cpu", torch.bfloat16)``: the one
   line a user adds), unless ``--no-eager``
 
+``--variants NAME ...`` times only those (``ORT fp32``, the ratios' reference, always among them): emulated bf16 on a CPU
+without bf16 units takes most of a run, so one precision can be measured again alone (its table then has only those
+rows; record it with ``--no-record`` and by hand where the full run's section should stay).
+
 The CPU's model name, its ISA flags (bf16 and int8 units among them), OpenVINO's OPTIMIZATION_CAPABILITIES and the load
 average before and after each case go beside the figures: results/precisions.json and RESULTS.md, "Precisions per
 runtime".
@@ -46,13 +50,23 @@ from fusionserve.scoring.timing import time_round_robin
 HERE = Path(__file__).parent
 THREADS = 2
 CASES = ("16x128", "1x128", "1x32")  # batch x sequence: the issue's speed case and its two batch-1 cases
+VARIANTS = (
+    "ORT fp32",
+    "ORT int8",
+    "OpenVINO fp32",
+    "OpenVINO bf16",
+    "OpenVINO int8 (static QDQ)",
+    "AdapterHub eager fp32",
+    "AdapterHub eager bf16 autocast",
+)
 
 
-def artifacts(model: BenchModel, work: Path) -> dict[str, Path]:
-    """fp32, int8 (from the fp32 artifact) and bf16 artifacts of ``model`` under ``work``, made once."""
+def artifacts(model: BenchModel, work: Path, bf16: bool = True) -> dict[str, Path]:
+    """fp32, int8 (from the fp32 artifact) and (unless not ``bf16``) bf16 artifacts of ``model`` under ``work``, made
+    once."""
     from fusionserve.export.artifact import export_artifact
 
-    out = {p: work / f"{p}-art" for p in ("fp32", "bf16")}
+    out = {p: work / f"{p}-art" for p in ("fp32", "bf16")[: 2 if bf16 else 1]}
     for precision, folder in out.items():
         if not (folder / "manifest.json").is_file():
             export_artifact(model.spec, folder, precision, max_seq_len=128, force=True, parity_grid="quick", progress=False)
@@ -111,28 +125,32 @@ def _autocast(ref: torch.nn.Module, feeds: dict[str, np.ndarray]) -> Callable[[]
     return run
 
 
-def run_geometry(name: str, base: Path, work: Path, cases: list[str], rounds_scale: float, eager: bool) -> dict:
+def run_geometry(
+    name: str, base: Path, work: Path, cases: list[str], rounds_scale: float, eager: bool, only: list[str] | None = None
+) -> dict:
     import json
 
     print(f"== {name}: building and exporting in {work}", file=sys.stderr)
     model = build(work / "n8", base, 8)
-    arts = artifacts(model, work)
+    wanted = set(only or VARIANTS) | {"ORT fp32"}
+    arts = artifacts(model, work, bf16=any(v.startswith("OpenVINO") for v in wanted))
     vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
-    qdq = qdq_graph(arts["bf16"], work / "qdq.onnx", vocab)
+    qdq = qdq_graph(arts["bf16"], work / "qdq.onnx", vocab) if "OpenVINO int8 (static QDQ)" in wanted else None
     result: dict = {"geometry": name, "cases": {}, "load_average": {}}
     for case in cases:
         batch, seq = (int(x) for x in case.split("x"))
         feeds = _feeds(batch, seq, vocab)
-        variants: dict[str, Callable[[], object]] = {
-            "ORT fp32": _ort(arts["fp32"] / "model.onnx", feeds),
-            "ORT int8": _ort(arts["int8"] / "model.onnx", feeds),
-            "OpenVINO fp32": _openvino(arts["bf16"] / "model.onnx", "f32", feeds),
-            "OpenVINO bf16": _openvino(arts["bf16"] / "model.onnx", "bf16", feeds),
-            "OpenVINO int8 (static QDQ)": _openvino(qdq, "f32", feeds),
+        make: dict[str, tuple[Callable[..., Callable[[], object]], tuple]] = {  # name -> (maker, its arguments)
+            "ORT fp32": (_ort, (arts["fp32"] / "model.onnx",)),
+            "ORT int8": (_ort, (arts["int8"] / "model.onnx",)),
+            "OpenVINO fp32": (_openvino, (arts.get("bf16", work) / "model.onnx", "f32")),
+            "OpenVINO bf16": (_openvino, (arts.get("bf16", work) / "model.onnx", "bf16")),
+            "OpenVINO int8 (static QDQ)": (_openvino, (qdq, "f32")),
         }
         if eager:
-            variants["AdapterHub eager fp32"] = _eager_adapterhub(model.reference, feeds)
-            variants["AdapterHub eager bf16 autocast"] = _autocast(model.reference, feeds)
+            make["AdapterHub eager fp32"] = (_eager_adapterhub, (model.reference,))
+            make["AdapterHub eager bf16 autocast"] = (_autocast, (model.reference,))
+        variants = {k: f(*a, feeds) for k, (f, a) in make.items() if k in wanted}  # made in VARIANTS' order
         work_units = batch * seq * (4 if name == "bert-base" else 1)
         rounds = max(5, int(rounds_scale * (40 if work_units <= 512 else 12 if work_units <= 4096 else 6)))
         print(f"-- {name} {case}: {len(variants)} variants x {rounds} rounds", file=sys.stderr)
@@ -179,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", default=list(CASES), help="BATCHxSEQ (default: %(default)s)")
     p.add_argument("--rounds-scale", type=float, default=1.0)
     p.add_argument("--no-eager", action="store_true", help="leave AdapterHub's eager variants out")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, metavar="NAME", help="time only these (and ORT fp32); default: all")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "fusionserve" / "bench-precisions")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--no-record", action="store_true", help="do not rewrite RESULTS.md")
@@ -189,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for geo in args.geometries:
         base = minilm_folder() if geo == "minilm" else bert_base_folder(args.workdir)
-        results.append(run_geometry(geo, base, args.workdir / geo, args.cases, args.rounds_scale, not args.no_eager))
+        results.append(
+            run_geometry(geo, base, args.workdir / geo, args.cases, args.rounds_scale, not args.no_eager, args.variants)
+        )
     m = machine() | {"openvino": openvino_version() or "-"}
     data = {"command": command.strip(), "machine": m, "capabilities": device_capabilities(), "results": results}
     text = markdown(results, command.strip(), m, data["capabilities"])

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,34 @@ def start(name: str, artifact: Path, logs: Path, extra: list[str], tree: Path | 
     return proc, port
 
 
+def receiver_cpu_s() -> float:
+    """CPU seconds of this process's threads but the main one (where the clients run): the OTLP receiver's."""
+    import psutil
+
+    main = threading.main_thread().native_id
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id != main)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a server's processes so far (`fusionserve serve`, Ray's, its replica, HAProxy)."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def markdown(r: dict[str, Any]) -> str:
     m, s = r["machine"], r["spans"]
     med = {k: v["throughput_rps_median"] for k, v in r["servers"].items()}
     on_off, off_today = med["on"] / med["off"], med["off"] / med["today"]
+    cpu = {k: v["server_cpu_ms_per_request"] for k, v in r["servers"].items()}
     lines = [
         f"Command: `{r['command']}`",
         "",
@@ -82,16 +107,20 @@ def markdown(r: dict[str, Any]) -> str:
         f"of `{r['artifact']}`; {r['clients']} closed-loop clients on POST /v1/classify, {r['seconds']:g} s a run, "
         f"{r['rounds']} rounds, the order rotating.",
         "",
-        "| server | req/s per round | median req/s | median p50 (ms) | median p99 (ms) |",
-        "|---|---|---:|---:|---:|",
+        "| server | req/s per round | median req/s | median p50 (ms) | median p99 (ms) | server CPU ms a request |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for name, v in r["servers"].items():
         lines.append(f"| {name} | {', '.join(str(x) for x in v['throughput_rps'])} | {v['throughput_rps_median']} | "
-                     f"{v['p50_ms_median']} | {v['p99_ms_median']} |")  # fmt: skip
+                     f"{v['p50_ms_median']} | {v['p99_ms_median']} | {v['server_cpu_ms_per_request']} |")  # fmt: skip
     lines += [
         "",
         f"- Tracing on (every request sampled, a real OTLP receiver) / off: {on_off:.3f} "
-        f"(target >= 0.97: {'met' if on_off >= 0.97 else 'NOT met'}).",
+        f"(target >= 0.97: {'met' if on_off >= 0.97 else 'NOT met'}). The server's CPU a request (all its processes, "
+        f"summed over the rounds: what a load on the machine distorts least), off / on: {cpu['off'] / cpu['on']:.3f}.",
+        f"- The receiver's own CPU (it decodes every span in Python, in the benchmark's process, on the same cores): "
+        f"{r['servers']['on']['receiver_cpu_us_per_request']} µs a request of `on`, charged against `on` as a "
+        "collector on the same machine would be.",
         f"- Tracing off / today's code ({r['baseline_ref']}): {off_today:.3f} (no measurable change: "
         f"{'none measured' if abs(off_today - 1) <= 0.03 else 'a change of ' + format(off_today - 1, '+.1%')}, rounds' spread above).",
         f"- One request's spans against its latency measured by the client ({s['traces_received']} of {s['requests']} "
@@ -151,14 +180,19 @@ def main(argv: list[str] | None = None) -> int:
         names = list(plan)
         for r in range(args.rounds):
             for name in names[r % 3 :] + names[: r % 3]:
+                before, server_before = receiver_cpu_s(), tree_cpu_s(procs[name][0].pid)
                 runs[name].append(closed_loop(procs[name][1], "/v1/classify", body, args.clients, args.seconds))
+                runs[name][-1]["receiver_cpu_s"] = receiver_cpu_s() - before
+                runs[name][-1]["server_cpu_s"] = tree_cpu_s(procs[name][0].pid) - server_before
                 print(f"  round {r + 1}, {name}: {runs[name][-1]['throughput_rps']} req/s", file=sys.stderr)
         result["servers"] = {
             n: {"throughput_rps": [x["throughput_rps"] for x in rows],
                 "throughput_rps_median": round(statistics.median(x["throughput_rps"] for x in rows), 1),
                 "p50_ms_median": round(statistics.median(x["p50_ms"] for x in rows), 2),
                 "p99_ms_median": round(statistics.median(x["p99_ms"] for x in rows), 2),
-                "errors": sum(x["errors"] + x["lost"] for x in rows)}
+                "errors": sum(x["errors"] + x["lost"] for x in rows),
+                "server_cpu_ms_per_request": round(1e3 * sum(x["server_cpu_s"] for x in rows) / max(1, sum(x["requests"] for x in rows)), 3),
+                "receiver_cpu_us_per_request": round(1e6 * sum(x["receiver_cpu_s"] for x in rows) / max(1, sum(x["requests"] for x in rows)), 1)}
             for n, rows in runs.items()
         }  # fmt: skip
         result["spans"] = measure(procs["on"][1], receiver, task, texts, 1, args.spans)  # benchmarks/trace_spans.py

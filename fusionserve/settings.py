@@ -20,7 +20,7 @@ range (``/proc/sys/net/ipv4/ip_local_port_range``): Ray's processes connect from
 (comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
 
 OpenTelemetry's standard variables, as the tracing of ``fusionserve serve`` reads them (serving/api/tracing.py; the
-SDK's OTLP exporter reads the rest itself, headers and timeouts included): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+exporter's own, headers, timeout, compression and the batch settings, in serving/api/otlp.py): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
 or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (either set turns tracing on, as ``--otlp-endpoint`` does),
 ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL`` (only ``http/protobuf`` is served) and
 ``OTEL_SERVICE_NAME`` (default ``fusionserve``).

@@ -13,7 +13,7 @@ import numpy as np
 from fusionserve.errors import InputError
 from fusionserve.serving.model import heads
 from fusionserve.serving.model.heads import CLASSIFICATION, MULTIPLE_CHOICE, HeadOptions
-from fusionserve.serving.model.predictions import Input, TextInput, label_scores
+from fusionserve.serving.model.predictions import Input, TextInput, label_logits, label_scores
 from fusionserve.serving.model.rows import Computed, compute
 from fusionserve.serving.model.runner import ActivationRunner, Runner
 
@@ -25,13 +25,14 @@ WINDOW_BATCHES = 32
 
 
 def format_predictions(
-    labels: Sequence[str], logits: np.ndarray, truncated: Sequence[bool], inputs: Sequence[TextInput]
+    labels: Sequence[str], logits: np.ndarray, truncated: Sequence[bool], inputs: Sequence[TextInput], raw: bool = False
 ) -> list[dict[str, Any]]:
-    """A classification task's lines: label, scores (label -> probability), logits in label-id order."""
+    """A classification task's lines: label, scores (label -> probability; with ``raw`` the logit, unrounded, as the
+    API's raw_scores), logits in label-id order."""
     if len(logits) != len(inputs):
         raise RuntimeError(f"runner returned {len(logits)} rows for {len(inputs)} inputs")
-    out = []
-    for row, (label, _, scores), cut, inp in zip(logits, label_scores(labels, logits), truncated, inputs, strict=True):
+    out, named = [], (label_logits if raw else label_scores)(labels, logits)
+    for row, (label, _, scores), cut, inp in zip(logits, named, truncated, inputs, strict=True):
         item: dict[str, Any] = {} if inp.id is None else {"id": inp.id}
         item["label"] = label
         item["scores"] = scores
@@ -68,7 +69,7 @@ def _line(entry: Any, inp: Input, c: Computed, options: HeadOptions, raw: bool) 
     API gives it (question answering with top_k > 1: under "answers"), a multiple-choice task's with its logits."""
     kind = heads.head(entry)
     if kind == CLASSIFICATION:
-        return format_predictions(entry.labels, np.stack(c.outputs), [c.unit.truncated], [inp])[0]  # type: ignore[list-item]
+        return format_predictions(entry.labels, np.stack(c.outputs), [c.unit.truncated], [inp], raw)[0]  # type: ignore[list-item]
     pred = heads.answer(entry, inp, c.unit, c.outputs, options, raw)
     item: dict[str, Any] = {} if inp.id is None else {"id": inp.id}
     item.update({"answers": pred} if isinstance(pred, list) else {k: v for k, v in pred.items() if k != "truncated"})

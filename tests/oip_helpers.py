@@ -65,6 +65,7 @@ class Receiver:
 
     port: int
     spans: list[Span] = field(default_factory=list)
+    resources: list[dict[str, Any]] = field(default_factory=list)  # each export request's resource attributes
     requests: int = 0
     server: ThreadingHTTPServer | None = None
 
@@ -102,6 +103,7 @@ def start_receiver() -> Receiver:
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
             request = ExportTraceServiceRequest.FromString(body)
             for resource in request.resource_spans:
+                receiver.resources.append({a.key: _value(a.value) for a in resource.resource.attributes})
                 for scope in resource.scope_spans:
                     for s in scope.spans:
                         span = Span(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, s.start_time_unix_nano,

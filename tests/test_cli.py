@@ -224,3 +224,19 @@ def test_predict_batches_texts_of_similar_length_and_answers_in_input_order(arti
     alone = {t: runner.logits("rte", [TextInput(t)])[0][0] for t in set(texts)}
     for text, row in zip(texts, rows, strict=True):
         np.testing.assert_allclose(row["logits"], alone[text], atol=1e-5)
+
+
+def test_predict_raw_scores_writes_a_classification_tasks_logits_as_its_scores(artifact, capsys):
+    """--raw-scores says "scores hold the model's logits instead of probabilities"; a classification task's line
+    kept the probabilities (issue 38's bf16 run found it): now its scores are the logits, unrounded, as the API's
+    raw_scores gives them, and the label and logits fields stay as they were."""
+    code, out, _ = _run(capsys, "predict", artifact, "--task", "rte", "--text", SENTENCES[0])
+    plain = json.loads(out)
+    code_raw, out, _ = _run(capsys, "predict", artifact, "--task", "rte", "--text", SENTENCES[0], "--raw-scores")
+    raw = json.loads(out)
+    assert (code, code_raw) == (0, 0)
+    assert sum(plain["scores"].values()) == pytest.approx(1.0, abs=1e-5)
+    assert raw["label"] == plain["label"] and raw["logits"] == plain["logits"]
+    assert list(raw["scores"]) == list(plain["scores"])
+    assert list(raw["scores"].values()) == pytest.approx(raw["logits"], abs=1e-6)
+    assert sum(raw["scores"].values()) != pytest.approx(1.0, abs=1e-3)

@@ -34,7 +34,7 @@ LONGEST = [
     for name in (
         "serving_faults_load", "serve_config", "open_inference", "serving_faults", "shared_server", "backbones_int8",
         "backbones_export", "default_model", "cluster", "head_kinds_export", "backbones_serving", "process_cleanup",
-        "score_ray", "loopback", "serving_api", "live_tasks", "heads_files", "heads_serving", "live_serving",
+        "score_ray", "loopback", "serving_api", "live_tasks", "heads_files", "heads_serving", "tracing_server", "live_serving",
         "int8_serving", "drawn_port_taken", "serving_e2e",
     )
 ]  # fmt: skip

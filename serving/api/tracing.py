@@ -3,7 +3,7 @@
 With an OTLP endpoint (``--otlp-endpoint URL``, or the standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` in the replica's environment), every request gets one trace (a sampled share of
 them: ``--trace-sample-ratio``, and an incoming ``traceparent``'s sampled flag is followed), exported over OTLP/HTTP
-(protobuf) by the OpenTelemetry SDK (the ``otel`` extra): a root span named for the route (``POST /v1/classify``,
+(protobuf; serving/api/otlp.py, the ``otel`` extra): a root span named for the route (``POST /v1/classify``,
 ``inference.GRPCInferenceService/ModelInfer``, ...) with, in order, ``parse`` (reading and validating the request),
 ``tokenize``, ``queue`` (waiting for a batch), one ``batch`` per model call its rows ran in (its size, tokens, tasks
 and revision as attributes) holding ``model`` (padding and ONNX Runtime), and ``respond`` (the answer built). An
@@ -20,13 +20,14 @@ root where the replica got it. Over HTTP the root and ``respond`` end when the a
 server (uvicorn, or Serve's proxy), serialisation included (``TraceEdge``); over gRPC when the method returned.
 
 The request path only notes ``time.perf_counter()`` instants (the scheduler notes its own: ``JobResult``); the spans
-are made from them afterwards, in a thread of their own, and the SDK's batch processor exports them from another: a
+are made from them afterwards, in a thread of their own, which sends them in batches (serving/api/otlp.py): a
 request waits for neither. Without an endpoint no tracer exists, nothing of OpenTelemetry is imported, and a
 request pays one ``is None`` test.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import hmac
 import logging
@@ -129,17 +130,15 @@ def traces_url(endpoint: str) -> str:
 
 class Tracer:
     """Makes and exports the spans of requests (see the module docstring). Raises FusionServeError when the
-    OpenTelemetry SDK or its OTLP/HTTP exporter is not installed, or the environment asks for OTLP over gRPC."""
+    OpenTelemetry SDK or its OTLP protobuf messages are not installed, or the environment asks for OTLP over gRPC
+    or holds a setting it cannot read."""
 
     def __init__(self, endpoint: str | None, sample_ratio: float, resource: dict[str, str] | None = None) -> None:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+            from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+            from . import otlp
         except ImportError as exc:
             raise FusionServeError(
                 f"tracing needs the OpenTelemetry SDK and its OTLP exporter ({exc.name} is missing): "
@@ -151,31 +150,21 @@ class Tracer:
                 f"OTEL_EXPORTER_OTLP_PROTOCOL = {env['protocol']!r}: fusionserve exports traces over OTLP/HTTP "
                 "(http/protobuf) only; point it at the collector's HTTP port (4318)"
             )
-
-        class _Ids(RandomIdGenerator):
-            """The request's own trace id (made when it arrived, so its log lines carry it) for a root span."""
-
-            next_trace_id: int | None = None
-
-            def generate_trace_id(self) -> int:
-                chosen, self.next_trace_id = self.next_trace_id, None
-                return chosen if chosen is not None else super().generate_trace_id()
-
         attributes = {"service.name": "fusionserve"} if not env.get("service_name") else {}
-        self._ids = _Ids()
-        self.provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
-            resource=Resource.create(attributes | (resource or {})),
-            id_generator=self._ids,
-        )
-        exporter = OTLPSpanExporter(endpoint=traces_url(endpoint)) if endpoint else OTLPSpanExporter()
-        self.provider.add_span_processor(BatchSpanProcessor(exporter))
-        self._tracer = self.provider.get_tracer("fusionserve")
-        self._propagator = TraceContextTextMapPropagator()
-        self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)  # perf_counter seconds -> epoch ns
+        try:  # OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME as the SDK reads them, and its telemetry.sdk.* ones
+            self.settings = otlp.Settings.from_env(traces_url(endpoint or env.get("endpoint", "")))
+            self.exporter = otlp.Exporter(self.settings, Resource.create(attributes | (resource or {})).attributes)
+        except ValueError as exc:
+            raise FusionServeError(f"tracing: {exc}") from None
+        self._otlp = otlp
+        self._bound = TraceIdRatioBased(sample_ratio).bound  # the SDK's rule: the trace id's low 64 bits below it
         self.ingress_key = ingress_key()  # None: no HAProxy of fusionserve's here, no stamp believed
-        self._todo: queue.SimpleQueue[RequestTrace] = queue.SimpleQueue()
-        threading.Thread(target=self._work, name="fusionserve-traces", daemon=True).start()
+        self._todo: queue.SimpleQueue[RequestTrace | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self.dropped = 0  # requests whose trace was dropped: the queue full
+        self._thread = threading.Thread(target=self._work, name="fusionserve-traces", daemon=True)
+        self._thread.start()
+        atexit.register(self.flush)  # what is waiting is sent when the replica exits
 
     def new_trace_id(self) -> str:
         return f"{random.getrandbits(128) or 1:032x}"
@@ -186,43 +175,73 @@ class Tracer:
         return Edge(now_s, ingress_instant(stamp, self.ingress_key, now_s, now_ns), records)
 
     def record(self, trace: RequestTrace) -> None:
-        """Hand a finished request's instants over; its spans are made in the tracer's own thread."""
-        self._todo.put(trace)
+        """Hand a finished request's instants over; its spans are made in the tracer's own thread (dropped past
+        ``OTEL_BSP_MAX_QUEUE_SIZE`` requests waiting: a collector that does not answer costs no memory)."""
+        if self._todo.qsize() < self.settings.queue_size:
+            self._todo.put(trace)
+        else:
+            self.dropped += 1
 
     def _work(self) -> None:
+        """Make each request's spans as it comes; send them every ``OTEL_BSP_SCHEDULE_DELAY``, or at once when
+        ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` are waiting. A None handed over sends what is waiting now."""
+        spans: list[Any] = []
+        due = time.monotonic() + self.settings.delay_s
         while True:
-            trace = self._todo.get()
             try:
-                self._spans(trace)
-            except Exception:  # a span that cannot be made must not stop the ones after it
-                logging.getLogger("ray.serve").getChild("fusionserve").exception("could not make the spans of a request")
+                trace = self._todo.get(timeout=max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                trace = None
+            if trace is not None:
+                try:
+                    self._spans(trace, spans)
+                except Exception:  # a span that cannot be made must not stop the ones after it
+                    logging.getLogger("ray.serve").getChild("fusionserve").exception("could not make the spans of a request")
+                if len(spans) < self.settings.batch_spans and time.monotonic() < due:
+                    continue
+            while spans:
+                batch, spans = spans[: self.settings.batch_spans], spans[self.settings.batch_spans :]
+                try:
+                    self.exporter.export(batch)
+                except Exception:  # the exporter's own failures are logged there; anything else must not stop tracing
+                    logging.getLogger("ray.serve").getChild("fusionserve").exception("could not export spans")
+            due = time.monotonic() + self.settings.delay_s
+            if self._todo.empty():
+                self._idle.set()
 
-    def _ns(self, seconds: float) -> int:
-        return int(seconds * 1e9) + self._offset_ns
-
-    def _spans(self, t: RequestTrace) -> None:
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-
+    def _spans(self, t: RequestTrace, out: list[Any]) -> None:
+        """Append the request's spans to ``out``, unless it is not sampled: a caller's ``traceparent`` decides by its
+        flag (the SDK's ParentBased), otherwise the ratio (TraceIdRatioBased) by the trace id."""
+        o = self._otlp
+        caller = _TRACEPARENT.match(t.traceparent.strip().lower()) if t.traceparent else None
+        if caller is not None and trace_id_of(t.traceparent) is not None:
+            if not int(caller.group(4), 16) & 1:
+                return
+            trace_id, parent = bytes.fromhex(caller.group(2)), bytes.fromhex(caller.group(3))
+        elif int(t.trace_id[16:], 16) < self._bound:
+            trace_id, parent = bytes.fromhex(t.trace_id), b""
+        else:
+            return
         # perf_counter -> epoch, taken again for each request (moments after it ended): a clock slewed since the
         # tracer started does not shift its spans against the instants of other processes (HAProxy's stamp, a client)
-        self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
-        parent = self._propagator.extract({"traceparent": t.traceparent}) if t.traceparent else None
-        if trace_id_of(t.traceparent) is None:  # a root of its own: with the id its log lines carry
-            self._ids.next_trace_id = int(t.trace_id, 16)
-        attrs: dict[str, Any] = {"fusionserve.task": t.task, "fusionserve.inputs": t.inputs, "fusionserve.status": t.status}
+        offset = time.time_ns() - int(time.perf_counter() * 1e9)
+
+        def ns(seconds: float) -> int:
+            return int(seconds * 1e9) + offset
+
+        root = o.span_id()
+
+        def child(name: str, start: float, end: float, under: bytes = root, attrs: dict | None = None) -> bytes:
+            sid = o.span_id()
+            out.append(o.span(trace_id, sid, under, name, ns(start), ns(max(start, end)), attrs=attrs))
+            return sid
+
         reached = min(t.reached_s or t.arrived_s, t.arrived_s)
         start, end = min(t.ingress_s or reached, reached), max(t.sent_s or t.answered_s, t.answered_s)
-        root = self._tracer.start_span(t.name, context=parent, kind=SpanKind.SERVER, start_time=self._ns(start), attributes=attrs)
-        self._ids.next_trace_id = None
-        if not root.is_recording():  # sampled out
-            return
-        inside = set_span_in_context(root)
-
-        def child(name: str, start: float, end: float, context: Any = inside, **attributes: Any) -> Any:
-            span = self._tracer.start_span(name, context=context, start_time=self._ns(start), attributes=attributes)
-            span.end(end_time=self._ns(max(start, end)))
-            return span
-
+        attrs: dict[str, Any] = {"fusionserve.task": t.task, "fusionserve.inputs": t.inputs, "fusionserve.status": t.status}
+        if t.error_type is not None:
+            attrs["fusionserve.error_type"] = t.error_type
+        out.append(o.span(trace_id, root, parent, t.name, ns(start), ns(end), o.SERVER, attrs, t.error_type))
         if t.ingress_s is not None:  # HAProxy, the hop to the replica, uvicorn, Serve's request path
             child("ingress", start, reached)
         child("parse", reached, t.parsed_s if t.parsed_s is not None else end)
@@ -231,24 +250,22 @@ class Tracer:
             child("tokenize", r.submitted_s, r.tokenized_s)
             child("queue", r.tokenized_s, r.spans[0].taken_s)
             for b in r.spans:
-                batch = self._tracer.start_span("batch", context=inside, start_time=self._ns(b.taken_s), attributes={
+                batch = child("batch", b.taken_s, b.model_end_s, attrs={
                     "fusionserve.batch.size": b.inputs, "fusionserve.batch.tokens": b.tokens,
                     "fusionserve.batch.tasks": list(b.tasks), "fusionserve.revision": -1 if b.revision is None else b.revision,
                 })  # fmt: skip
-                child("model", b.model_start_s, b.model_end_s, context=set_span_in_context(batch))
-                batch.end(end_time=self._ns(b.model_end_s))
+                child("model", b.model_start_s, b.model_end_s, under=batch)
             child("respond", r.spans[-1].model_end_s, end)
-        if t.error_type is not None:
-            root.set_attribute("fusionserve.error_type", t.error_type)
-            root.set_status(Status(StatusCode.ERROR, t.error_type))
-        root.end(end_time=self._ns(end))
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Send every span handed over so far; True when done within ``timeout_s``."""
+        self._idle.clear()
+        self._todo.put(None)
+        return self._idle.wait(timeout_s)
 
     def shutdown(self) -> None:
         """Export what is left (waits for the spans handed over so far)."""
-        deadline = time.monotonic() + 5
-        while not self._todo.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.provider.shutdown()
+        self.flush()
 
 
 class TraceEdge:
