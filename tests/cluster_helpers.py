@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +58,12 @@ def _ray_start(node: Node, *args: str) -> None:
         raise RuntimeError(f"ray start for the {node.name} node failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
-def start_head(cpus: int, http_port: int, grpc_port: int) -> Node:
-    """The head node: the GCS, HAProxy on ``http_port`` / ``grpc_port`` (the ports Serve's config names)."""
+def start_head(cpus: int, http_port: int, grpc_port: int, env: dict[str, str] | None = None) -> Node:
+    """The head node: the GCS, HAProxy on ``http_port`` / ``grpc_port`` (the ports Serve's config names); ``env``:
+    more environment for the node (its workers, Serve's actors and replicas inherit it) and its drivers."""
     temp = Path(tempfile.mkdtemp(prefix="fsr-", dir="/tmp"))
-    node = Node("head", temp, _env(temp / "haproxy"), http_port=http_port, grpc_port=grpc_port, patterns=[str(temp)])
+    node_env = _env(temp / "haproxy") | (env or {})
+    node = Node("head", temp, node_env, http_port=http_port, grpc_port=grpc_port, patterns=[str(temp)])
     port = free_port()
     node.address = f"{_node_ip()}:{port}"
     _ray_start(node, "--head", "--port", str(port), "--num-cpus", str(cpus), "--resources", json.dumps({"head": 1}),
@@ -145,6 +148,63 @@ def replica_counts(address: str, app: str = "fusionserve") -> dict[str, int]:
     result = ray_query(address, code)
     assert isinstance(result, dict)
     return result
+
+
+_WATCH = """
+import json, sys, time, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+from ray import serve
+while True:
+    st = serve.status().applications.get(sys.argv[2])
+    ds = st.deployments.values() if st is not None else ()
+    out = {k.value if hasattr(k, "value") else str(k): v for d in ds for k, v in d.replica_states.items()}
+    print(json.dumps(out), flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+class ReplicaWatch:
+    """Serve's replica states of an application, read every ``interval_s`` by ONE driver connected for the watch's
+    life (a ``replica_counts`` per poll starts a Python, imports Ray and joins the cluster as a new job each time,
+    a few CPU-seconds apiece). Use as a context manager; ``wait`` counts only states read after it was called."""
+
+    def __init__(self, address: str, app: str = "fusionserve", interval_s: float = 0.5) -> None:
+        env = dict(os.environ, **AUTH, RAY_USAGE_STATS_ENABLED="0")
+        cmd = [sys.executable, "-c", _WATCH, address, app, str(interval_s)]
+        self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__) a file, not a pipe: warnings never block
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self.latest: tuple[float, dict[str, int]] = (0.0, {})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.latest = (time.monotonic(), json.loads(line))
+
+    def wait(self, running: int, timeout_s: float) -> tuple[float, dict[str, int]]:
+        """(seconds it took, the states) once exactly ``running`` replicas run and none is in another state;
+        AssertionError after ``timeout_s`` (or when the watching driver ended), with the last states seen."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s and self.proc.poll() is None:
+            seen_at, states = self.latest
+            if seen_at > started and states.get("RUNNING", 0) == running and len(states) == 1:
+                return seen_at - started, states
+            time.sleep(0.2)
+        err = ""
+        if self.proc.poll() is not None:
+            self._err.seek(0)
+            err = f"; the watching driver ended: {self._err.read()[-3000:]}"
+        raise AssertionError(f"not {running} running replica(s) within {timeout_s:.0f} s: {self.latest[1]}{err}")
+
+    def __enter__(self) -> ReplicaWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        self._reader.join(10)
+        self._err.close()
 
 
 def _node_ip() -> str:

@@ -228,17 +228,29 @@ def test_cli_uses_the_default_model_when_none_is_given(built_st, capsys, monkeyp
     assert asked == [{}, {"precision": "int8"}]  # predict: fp32; served on CPU: int8 (docs/guides/int8.md)
 
 
-@pytest.mark.slow
-@needs_base
-def test_predict_without_a_model_exports_the_default_then_answers(tmp_path):
-    env = {**os.environ, "FUSIONSERVE_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "fusionserve.cli.main", "predict", "--task", "bbc_news",
+PREDICT = ["predict", "--task", "bbc_news",
            "--text", "Manchester United beat Chelsea 3-1 in the Premier League, with two goals from their striker"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def first_use(tmp_path_factory):
+    """One first use of the CLI with no model and an empty cache (it exports the default model, then answers): both
+    tests below check what it did, the second without an export of its own."""
+    cache = tmp_path_factory.mktemp("default-cache")
+    env = {**os.environ, "FUSIONSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "fusionserve.cli.main", *PREDICT]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr
+    return cache, cmd, env, done
+
+
+@pytest.mark.slow
+@needs_base
+def test_predict_without_a_model_exports_the_default_then_answers(first_use):
+    cache, cmd, env, done = first_use
     assert json.loads(done.stdout)["label"] == "sports"
     assert "exporting the default model" in done.stderr
-    (artifact,) = (tmp_path / "artifacts").iterdir()
+    (artifact,) = (cache / "artifacts").iterdir()
     assert artifact.name.startswith("default-") and (artifact / "manifest.json").is_file()
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert again.returncode == 0 and json.loads(again.stdout) == json.loads(done.stdout)
@@ -247,20 +259,26 @@ def test_predict_without_a_model_exports_the_default_then_answers(tmp_path):
 
 @pytest.mark.slow
 @needs_base
-def test_first_use_export_is_quick_and_the_full_grid_holds_for_the_built_in_model(tmp_path):
-    """First start runs the quick grid (tests/test_default_model.py's CLI test); the full grid, every task at every
-    shape, is checked here once, as at build time, and both record what they checked."""
+def test_first_use_export_is_quick_and_the_full_grid_holds_for_the_built_in_model(first_use):
+    """First use runs the quick grid and records it in the artifact's manifest; the full grid, every task at every
+    shape, is checked here once, as at build time, on the graph that first use exported (an export of its own would
+    trace, optimize and check the same graph again)."""
     from fusionserve.cli import default as bootstrap
-    from fusionserve.export.artifact import export_artifact
-    from fusionserve.export.validate import count_cases
+    from fusionserve.export.build import build_model
+    from fusionserve.export.validate import check_parity, count_cases
+    from fusionserve.serving.model.artifact import MODEL_FILE
+    from fusionserve.serving.model.runtime import make_session
 
     spec = load_spec(DEFAULT_MODEL / SPEC_FILE)
     assert spec.max_seq_len == MAX_SEQ_LEN and bootstrap.PARITY_GRID == "quick"
-    manifest = export_artifact(DEFAULT_MODEL / SPEC_FILE, tmp_path / "full", progress=False, parity_grid="full")
+    (artifact,) = (first_use[0] / "artifacts").iterdir()
+    manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["max_seq_len"] == MAX_SEQ_LEN  # the spec's limit, with no --max-seq-len: the one default
-    assert manifest["parity"]["grid"]["kind"] == "full" and manifest["parity"]["cases"] == 11 * 6 + 2  # 6 shapes, 2 lengths at 64
-    from fusionserve.export.build import build_model
-
-    quick = count_cases(build_model(spec), MAX_SEQ_LEN, "quick")
+    assert manifest["precision"] == "fp32"  # the CLI's predict runs fp32 (serve on CPU: int8)
+    model = build_model(spec)
+    quick = count_cases(model, MAX_SEQ_LEN, "quick")
     # the whole grid for one task of each kind, one case for each of the other eight, a mixed batch per length
     assert quick == 3 * 6 + 8 + 2
+    assert manifest["parity"]["grid"]["kind"] == "quick" and manifest["parity"]["cases"] == quick
+    full = check_parity(make_session(artifact / MODEL_FILE, device="cpu"), model, "fp32", MAX_SEQ_LEN, grid="full")
+    assert full.as_dict()["grid"]["kind"] == "full" and full.cases == 11 * 6 + 2  # 6 shapes, 2 lengths at 64
