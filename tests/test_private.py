@@ -34,6 +34,21 @@ def test_serve_reads_every_variable_fusionserve_sets():
     assert not unread, f"Serve no longer reads {unread} (ray/serve/_private/constants.py)"
 
 
+def test_serve_reads_every_variable_the_tests_set():
+    """The tests set private Serve variables of their own (test_serve_config's autoscaling metrics pushed every
+    second): an upgrade of Ray that stops reading one would leave its test slower or its check void, silently."""
+    from ray.serve._private import constants
+
+    source = inspect.getsource(constants)
+    names = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        if path.name != "test_private.py":
+            names |= set(re.findall(r"RAY_SERVE_[A-Z_]*[A-Z](?![A-Z_{])", path.read_text()))  # not a prefix
+    assert "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S" in names
+    unread = sorted(name for name in names if f'"{name}"' not in source)
+    assert not unread, f"Serve no longer reads {unread} (ray/serve/_private/constants.py)"
+
+
 def test_every_serve_variable_in_the_code_goes_through_the_fence():
     """A RAY_SERVE_ variable written anywhere in fusionserve is one the fence lists (and so one checked above)."""
     found = set()
