@@ -167,12 +167,24 @@ def kill_replica(server_pid: int) -> list[int]:
     return [pid]
 
 
-def kill_haproxy(server_pid: int) -> list[int]:
-    """Every HAProxy process of the server's (a reload leaves the old one draining for a while)."""
+def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
+    """Every HAProxy process of the server's (a reload leaves the old one draining for a while). During a reload the
+    HAProxy found a moment ago can be gone and its successor not yet exec'd (its command line still its parent's):
+    the processes are looked up again until one carries the config, at most ``within_s``."""
     from tests.serving_helpers import haproxy_config
 
-    config = str(haproxy_config(server_pid))
-    pids = [p for p, c in processes(server_pid).items() if config in c]
+    until = time.monotonic() + within_s
+    while True:
+        try:
+            config = str(haproxy_config(server_pid))
+        except AssertionError:  # no HAProxy below the server this moment
+            if time.monotonic() > until:
+                raise
+            config = None
+        pids = [p for p, c in processes(server_pid).items() if config is not None and config in c]
+        if pids or time.monotonic() > until:
+            break
+        time.sleep(0.1)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return pids

@@ -102,6 +102,9 @@ def test_a_killed_haproxy_is_started_again(server):
     """Serve's manager restarts HAProxy once its health check has failed 3 times in a row: every 10 s by default (15-30
     s without an answer, as the issue measured); every 1 s here (RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S)."""
     served = server["served"]
+    # the replica the test before killed has been replaced: HAProxy routes to both again (its reload done)
+    folder = haproxy_config(served.proc.pid).parent.parent
+    assert within(lambda: routed_replicas(folder, APP_NAME) == 2, 120) is not None, routed_replicas(folder, APP_NAME)
     killed = []
     _under_load(served, "HAProxy", lambda: killed.extend(kill_haproxy(served.proc.pid)))
     assert killed and not alive(set(killed))
