@@ -111,6 +111,7 @@ def summary(fault: str, records: list[Record], killed_at: float) -> dict:
         "ok": sum(r.status == 200 for r in records),
         "overloaded_503": sum(r.status == 503 for r in records),
         "lost": sum(lost(r) for r in records),
+        "lost_sent_s": sorted(round(r.sent - killed_at, 3) for r in records if lost(r)),  # when each lost one was sent
         "lost_examples": sorted({(r.error or f"HTTP {r.status}")[:80] for r in records if lost(r)})[:4],
         "answered_4xx": sum(400 <= r.status < 500 for r in records),  # 404 from a HAProxy that has no routes yet
         "hung": sum(r.error.startswith("hang") for r in records),
