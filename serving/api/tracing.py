@@ -80,12 +80,19 @@ def ingress_instant(stamp: str | None, key: str | None, now_s: float, now_ns: in
     return None if ago_s > _STAMP_OLDEST_S else now_s - ago_s
 
 
-def trace_id_of(traceparent: str | None) -> str | None:
-    """The trace id of a valid W3C ``traceparent`` value (version 00 form, ids not all zero), else None."""
+def _valid_traceparent(traceparent: str | None) -> re.Match[str] | None:
+    """A valid W3C ``traceparent`` value (version 00 form, ids not all zero) parsed: version, trace id, parent id,
+    flags; else None."""
     found = _TRACEPARENT.match(traceparent.strip().lower()) if traceparent else None
     if found is None or found.group(1) == "ff" or set(found.group(2)) == {"0"} or set(found.group(3)) == {"0"}:
         return None
-    return found.group(2)
+    return found
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id of a valid W3C ``traceparent`` value (version 00 form, ids not all zero), else None."""
+    found = _valid_traceparent(traceparent)
+    return None if found is None else found.group(2)
 
 
 @dataclass
@@ -213,8 +220,8 @@ class Tracer:
         """Append the request's spans to ``out``, unless it is not sampled: a caller's ``traceparent`` decides by its
         flag (the SDK's ParentBased), otherwise the ratio (TraceIdRatioBased) by the trace id."""
         o = self._otlp
-        caller = _TRACEPARENT.match(t.traceparent.strip().lower()) if t.traceparent else None
-        if caller is not None and trace_id_of(t.traceparent) is not None:
+        caller = _valid_traceparent(t.traceparent)
+        if caller is not None:
             if not int(caller.group(4), 16) & 1:
                 return
             trace_id, parent = bytes.fromhex(caller.group(2)), bytes.fromhex(caller.group(3))
