@@ -128,6 +128,22 @@ def tree_rss_mb(pid: int) -> dict[str, float]:
     return out
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and every descendant so far (a server: `fusionserve serve`, Ray's, its replica,
+    HAProxy); a process that exits in between counts no more."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def replica_ports(pid: int) -> list[int]:
     """Ports in Serve's direct-ingress range (30000-31000) that the server's replicas listen on."""
     import psutil

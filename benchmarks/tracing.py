@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks.httpload import closed_loop
 from benchmarks.load import load_texts
 from benchmarks.report import machine, record
-from benchmarks.servers import ROOT, artifact_and_task, body_maker
+from benchmarks.servers import ROOT, artifact_and_task, body_maker, tree_cpu_s
 from benchmarks.trace_spans import measure
 from fusionserve.serving.process.ingress import free_port
 
@@ -77,21 +77,6 @@ def receiver_cpu_s() -> float:
 
     main = threading.main_thread().native_id
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id != main)
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a server's processes so far (`fusionserve serve`, Ray's, its replica, HAProxy)."""
-    import psutil
-
-    total = 0.0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def markdown(r: dict[str, Any]) -> str:
