@@ -168,24 +168,28 @@ def kill_replica(server_pid: int) -> list[int]:
     return [pid]
 
 
-def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
-    """Every HAProxy process of the server's (a reload leaves the old one draining for a while). During a reload the
-    HAProxy found a moment ago can be gone and its successor not yet exec'd (its command line still its parent's):
-    the processes are looked up again until one carries the config, at most ``within_s``."""
+def haproxy_pids(server_pid: int) -> list[int]:
+    """Every HAProxy process of the server's (a reload leaves the old one draining for a while); none during a
+    reload's gap, when the HAProxy found a moment ago is gone and its successor not yet exec'd (its command line still
+    its parent's)."""
     from tests.serving_helpers import haproxy_config
 
-    until = time.monotonic() + within_s
-    while True:
-        try:
-            config = str(haproxy_config(server_pid))
-        except AssertionError:  # no HAProxy below the server this moment
-            if time.monotonic() > until:
-                raise
-            config = None
-        pids = [p for p, c in processes(server_pid).items() if config is not None and config in c]
-        if pids or time.monotonic() > until:
-            break
-        time.sleep(0.1)
+    try:
+        config = str(haproxy_config(server_pid))
+    except AssertionError:  # no HAProxy below the server this moment
+        return []
+    return [p for p, c in processes(server_pid).items() if config in c]
+
+
+def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
+    """kill -9 of every HAProxy process of the server's, once there is one (at most ``within_s``: a reload's gap)."""
+    pids: list[int] = []
+
+    def found() -> bool:
+        pids[:] = haproxy_pids(server_pid)
+        return bool(pids)
+
+    within(found, within_s)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     return pids
@@ -219,10 +223,9 @@ def left(pids: set[int]) -> list[bytes]:
 
 def haproxy(server_pid: int) -> int:
     """The HAProxy process of the server ``server_pid``."""
-    from tests.serving_helpers import haproxy_config
-
-    config = str(haproxy_config(server_pid))
-    return next(p for p, c in processes(server_pid).items() if config in c)
+    pids = haproxy_pids(server_pid)
+    assert pids, f"no HAProxy below pid {server_pid}"
+    return pids[0]
 
 
 def group_signal_stops(served, sig: int, mark: str) -> None:
