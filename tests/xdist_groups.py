@@ -55,11 +55,11 @@ def in_groups(items: list[pytest.Item]) -> list[pytest.Item]:
 # The longest groups, longest first, as profiled (the runs' --durations, scripts/cpu_profile.py): each starts servers
 # or Ray several times. A stale entry only costs balance, never a test.
 LONGEST = [
-    name if name.endswith("_server") else f"tests/test_{name}.py"
+    name if name.endswith(("_server", "_ray")) else f"tests/test_{name}.py"
     for name in (
         "serving_faults_load", "serve_config", "oip_server", "serving_faults", "shared_server", "backbones_int8",
         "backbones_export", "default_model", "cluster", "head_kinds_export", "backbones_serving", "process_cleanup",
-        "score_ray", "loopback", "keyed_server", "live_tasks", "heads_files", "heads_serving", "live_serving",
+        "local_ray", "loopback", "keyed_server", "live_tasks", "heads_serving", "live_serving",
         "int8_serving", "drawn_port_taken",
     )
 ]  # fmt: skip
