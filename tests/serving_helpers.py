@@ -196,6 +196,7 @@ class SharedServers:
         self.folder, self.env = folder, env
         self.running: dict[str, tuple[tuple[str, ...], Served]] = {}
         self.starts: dict[str, int] = {}
+        self.failed: dict[str, str] = {}  # name -> why its start failed: the tests after it fail at once, not each in 240 s
 
     def get(self, name: str, artifact: Path, *args: str, grpc: bool = False, env: dict[str, str | None] | None = None) -> Served:
         """The running server ``name`` (``fusionserve serve artifact *args``, with ``--grpc-port`` on a free port if
@@ -208,13 +209,19 @@ class SharedServers:
             assert started_with == key, f"shared server {name!r} asked for with {key}, started with {started_with}"
             if served.proc.poll() is None:
                 return served
+        if name in self.failed:
+            pytest.fail(f"shared server {name!r} did not start earlier in this session: {self.failed[name]}")
         self.starts[name] = self.starts.get(name, 0) + 1
         grpc_port = free_port() if grpc else None
         extra = ("--grpc-port", str(grpc_port)) if grpc_port else ()
         environ = {k: v for k, v in (self.env or os.environ).items() if k not in env} | {
             k: v for k, v in env.items() if v is not None
         }
-        served = launch(artifact, self.folder / f"{name}-{self.starts[name]}.log", *args, *extra, env=environ)
+        try:
+            served = launch(artifact, self.folder / f"{name}-{self.starts[name]}.log", *args, *extra, env=environ)
+        except pytest.fail.Exception as exc:
+            self.failed[name] = str(exc)[:3000]
+            raise
         served.grpc_port = grpc_port
         self.running[name] = (key, served)
         return served

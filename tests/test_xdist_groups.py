@@ -1,8 +1,10 @@
 """tests/xdist_groups.py: which tests run together and in what order (stand-in items, no server started). The modules
-of one ``xdist_group`` share a server or Ray only if they run in one row, with the test that stops it last."""
+of one ``xdist_group`` share a server or Ray only if they run in one row, with the test that stops it last. And
+serving_helpers.SharedServers, what they share."""
 
 import pytest
 
+from tests.serving_helpers import SharedServers
 from tests.xdist_groups import LONGEST, group_of, in_groups
 
 
@@ -54,3 +56,14 @@ def test_the_longest_groups_are_groups():
     assert [name for name in modules if "pytest.mark.xdist_group(" in texts[name.removeprefix("tests/")]] == []
     marked = {name for name in LONGEST if not name.startswith("tests/") and name != "shared_server"}
     assert {name for name in marked if not any(f'xdist_group("{name}")' in text for text in texts.values())} == set()
+
+
+def test_a_shared_server_that_did_not_start_fails_the_tests_after_it_at_once(tmp_path):
+    """Each test of a group asks for its server: after a failed start they fail saying so, instead of each starting it
+    again (up to 240 s each)."""
+    servers = SharedServers(tmp_path)
+    with pytest.raises(pytest.fail.Exception, match="server exited with"):
+        servers.get("broken", tmp_path / "no-artifact")
+    with pytest.raises(pytest.fail.Exception, match="'broken' did not start earlier in this session: server exited"):
+        servers.get("broken", tmp_path / "no-artifact")
+    assert servers.starts == {"broken": 1}
