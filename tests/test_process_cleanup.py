@@ -4,6 +4,7 @@ of its HAProxy config, or an embedding program's other children, are not the run
 server of tests/test_drawn_port_taken.py); each test ends only what it started, by pid."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,48 @@ def test_the_end_of_a_run_ends_its_haproxy_and_spares_a_tail_of_its_config():
         for proc in (haproxy, tail):
             proc.kill()
             proc.wait()
+
+
+# A process of the run that still writes into its folder while the folder is removed: Serve's HAProxy manager in the
+# middle of a reload when Ray shut down (it writes the config, the server state and a log file for each HAProxy it
+# starts; the wrapper appends to ``started``). Here: a new file every moment, for WRITES_S or until the folder is gone.
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    folder, until = sys.argv[1], time.monotonic() + float(sys.argv[2])
+    n = 0
+    while time.monotonic() < until:
+        try:
+            open(f"{folder}/reload.{n}.log", "w").close()
+        except FileNotFoundError:  # the folder is gone
+            break
+        n += 1
+    """
+)
+WRITES_S = 1.5
+
+
+def test_the_end_of_a_run_removes_its_folder_while_a_process_of_the_run_still_writes_into_it():
+    """A clean-clone CI saw the run folder left after the server, its supervisor killed with kill -9, had stopped
+    cleanly and ended every process of the run (tests/test_serving_faults_load.py): the one ``rmtree`` raced a file
+    written into the folder as it emptied it, failed on "directory not empty", and the failure was ignored."""
+    from fusionserve.serving.process.runs import end_run, new_run_folder
+
+    folder = new_run_folder()
+    for n in range(2000):  # a removal that takes a while, as the replicas' metrics and HAProxy's logs make it
+        (folder / f"metrics.{n}.db").touch()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(WRITES_S)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (folder / "reload.0.log").exists():
+            assert writer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        end_run(folder)
+        assert not folder.exists(), sorted(p.name for p in folder.iterdir())[:5]
+    finally:
+        writer.kill()
+        writer.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_reaping_a_stale_run_folder_spares_a_tail_of_its_config(tmp_path):

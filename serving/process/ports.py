@@ -9,6 +9,7 @@ import os
 import random
 import socket
 from pathlib import Path
+from typing import NamedTuple
 
 from fusionserve.errors import FusionServeError
 from fusionserve.settings import PORT_RANGE_ENV, port_range
@@ -108,9 +109,19 @@ def replica_grpc_ports() -> range:
     return ports
 
 
-def port_holder(host: str, port: int) -> str | None:
-    """Who listens on ``port`` (any address), as "pid N (command)", or None when nobody does. Tries to bind it the
-    way a server would (address reuse on, port reuse off), so a lingering closed connection is not a holder."""
+class Holder(NamedTuple):
+    """A process listening on a port: its pid and command line (None, "") when it is not visible from here."""
+
+    pid: int | None
+    command: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.command})" if self.pid is not None else "another process (not visible from here)"
+
+
+def listener(host: str, port: int) -> Holder | None:
+    """Who listens on ``port`` (any address), or None when nobody does. Tries to bind it the way a server would
+    (address reuse on, port reuse off), so a lingering closed connection is not a holder."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -120,10 +131,16 @@ def port_holder(host: str, port: int) -> str | None:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 return None  # not ours to judge (e.g. an address this machine does not have): let the server say
-    return _listener(port) or "another process (not visible from here)"
+    return _listening_process(port) or Holder(None, "")
 
 
-def _listener(port: int) -> str | None:
+def port_holder(host: str, port: int) -> str | None:
+    """``listener`` as a phrase for a message: "pid N (command)", or None when nobody listens."""
+    holder = listener(host, port)
+    return None if holder is None else str(holder)
+
+
+def _listening_process(port: int) -> Holder | None:
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -138,7 +155,7 @@ def _listener(port: int) -> str | None:
     for proc in Path("/proc").glob("[0-9]*"):
         if wanted and wanted & _links(proc / "fd"):
             command = " ".join((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split())
-            return f"pid {proc.name} ({command[:120]})"
+            return Holder(int(proc.name), command[:120])
     return None
 
 

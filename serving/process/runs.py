@@ -35,6 +35,7 @@ from ..model.files import write_atomic
 RUN_PREFIX = "fs-"  # /tmp/fs-XXXXXXXX: short, because HAProxy's admin socket goes two levels below it (<= 97 chars)
 OWNER = "owner.json"
 STARTED = "started"
+REMOVE_S = 5.0  # how long ``end_run`` tries to remove a folder that a process of the run still writes into
 STOP_GRACE_S = 25.0  # a server asked to stop has this long; past it the supervisor (or a next start) ends it
 
 
@@ -104,14 +105,27 @@ def recorded(folder: Path) -> list[list[int]]:
 
 def end_run(folder: Path, remove: bool = True) -> list[int]:
     """End the processes the run in ``folder`` recorded that still run (but this one), then remove the folder (unless
-    not ``remove``: a server starting again on fresh ports keeps it). Returns the pids ended."""
+    not ``remove``: a server starting again on fresh ports keeps it). Returns the pids ended.
+
+    The removal is tried again, the run's HAProxy processes looked up again each time, until the folder stays gone
+    or ``REMOVE_S`` has passed: a process of the run can still be writing into it as it is emptied (Serve's HAProxy
+    manager in the middle of a reload when Ray shut down), and one ``rmtree`` then fails on a file that came after
+    its listing ("directory not empty"), leaving the folder behind."""
     entries = recorded(folder)
     entries += [entry for entry in identities(haproxies(folder)) if entry not in entries]
     left = [entry for entry in entries if entry[0] != os.getpid() and running(entry)]
     end(left)
-    if remove:
+    ended = [pid for pid, _ in left]
+    deadline = time.monotonic() + REMOVE_S
+    while remove:
         shutil.rmtree(folder, ignore_errors=True)
-    return [pid for pid, _ in left]
+        if not folder.exists() or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+        again = [entry for entry in identities(haproxies(folder)) if running(entry)]
+        end(again)
+        ended += [pid for pid, _ in again]
+    return ended
 
 
 def haproxies(folder: Path) -> list[int]:

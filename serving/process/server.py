@@ -9,7 +9,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -30,7 +29,7 @@ from ..model.openvino_runtime import require_openvino
 from ..model.runtime import make_session, resolve_device
 from .cluster import connect
 from .ingress import INGRESSES, VARIANTS, drawn_ports, ingress_env
-from .ports import port_holder
+from .ports import listener, port_holder
 from .routing import wait_all_routed, wait_routed
 from .running_serve import (
     APP_NAME,
@@ -226,10 +225,9 @@ class Server:
         ours = set(descendants(os.getpid())) | {os.getpid()}
         foreign = {}
         for port in (self.cfg.port, self.cfg.grpc_port, *drawn):
-            holder = port_holder("127.0.0.1", port) if port is not None else None
-            pid = re.match(r"pid (\d+) ", holder or "")
-            if holder is not None and (pid is None or int(pid[1]) not in ours):
-                foreign[port] = holder
+            holder = listener("127.0.0.1", port) if port is not None else None
+            if holder is not None and holder.pid not in ours:
+                foreign[port] = str(holder)
         refuse_held(self.cfg.host, {p: who for p, who in foreign.items() if p in (self.cfg.port, self.cfg.grpc_port)})
         text = str(failure)
         for port, what in drawn.items():
