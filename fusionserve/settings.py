@@ -19,6 +19,10 @@ range (``/proc/sys/net/ipv4/ip_local_port_range``): Ray's processes connect from
 ``FUSIONSERVE_OPEN_PORTS``: set by ``fusionserve serve`` for the Ray it starts, read by the shim itself: the ports
 (comma-separated) that keep the wildcard address, the serving ports when ``--host`` is not loopback.
 
+``FUSIONSERVE_FULL_RAY``: ``1`` starts a local Ray (``fusionserve serve``, ``score --ray`` without a cluster) with
+every process ``ray.init`` starts; by default its autoscaler monitor and log monitor are left out (nothing
+fusionserve does uses them: serving/private.py, ``lean_head``).
+
 OpenTelemetry's standard variables, as the tracing of ``fusionserve serve`` reads them (serving/api/tracing.py; the
 exporter's own, headers, timeout, compression and the batch settings, in serving/api/otlp.py): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
 or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (either set turns tracing on, as ``--otlp-endpoint`` does),
@@ -39,6 +43,8 @@ CACHE_ENV = "FUSIONSERVE_CACHE"
 LOOPBACK_SHIM_ENV = "FUSIONSERVE_LOOPBACK_SHIM"
 OPEN_PORTS_ENV = "FUSIONSERVE_OPEN_PORTS"
 PORT_RANGE_ENV = "FUSIONSERVE_PORT_RANGE"  # LOW-HIGH: the ports fusionserve draws its own from (serving/process/ports.py)
+# "1": a local Ray started with every process ray.init starts (serving/process/cluster.py, serving/private.py: lean_head)
+FULL_RAY_ENV = "FUSIONSERVE_FULL_RAY"
 HANDOFF_ENV = "FUSIONSERVE_SERVER_HANDOFF"  # internal: what the supervisor hands the server process it starts
 
 

@@ -12,6 +12,7 @@ which names them from here.
 | ``SERVE_VARIABLES`` | Serve reads these environment variables (``ray/serve/_private/constants.py``) | the ingress falls back to Serve's defaults: HAProxy's files in the shared /tmp/haproxy-serve, ports 8500/9500/40000 shared between servers on one machine, 30 s drains on every stop, an hour's client timeout, a 2 GiB gRPC message limit |
 | ``WORKER_NICENESS`` | Ray reads ``RAY_worker_niceness`` for the workers it starts | replicas run at nice 15, behind anything else on the node |
 | ``SINGLE_MACHINE`` | Ray's node address is 127.0.0.1 with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` | Ray's agents listen on the machine's address (``--host 127.0.0.1`` no longer means loopback only) |
+| ``lean_head`` | ``ray.init`` builds its head node's ``ray._private.parameter.RayParams``, whose ``no_monitor`` and ``include_log_monitor`` ``Node.start_head_processes`` / ``start_ray_processes`` read | each local start (a server, ``score --ray`` without a cluster) starts Ray's autoscaler monitor and log monitor again: two more Python processes, their start-up CPU and memory (benchmarks/RESULTS.md); nothing a server does is lost |
 | ``record_call_deadlines`` | Serve's ``RayServegRPCContext(grpc_context)`` is made per call from the real gRPC context | a gRPC call's own deadline (``grpc-timeout``) no longer drops it from the queue: it waits, and gRPC cancels it at the deadline |
 | ``dead_ray_process`` | ``ray._private.worker._global_node.dead_processes()`` lists the node's processes that died | a server whose raylet or GCS died keeps running half-dead instead of exiting 1 for its supervisor to restart it |
 | ``serve_details`` | ``ray.serve.context._get_global_client()`` and its ``get_serve_details()`` | joining a cluster that runs Serve: no check of its ports or of a fusionserve application already there (the start fails) |
@@ -24,7 +25,9 @@ which names them from here.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,32 @@ def serve_env(values: dict[str, object]) -> dict[str, str]:
 WORKER_NICENESS = {"RAY_worker_niceness": "0"}  # ray/_private/ray_constants.py: RAY_WORKER_NICENESS
 # Ray's single-machine mode: its node address is loopback (ray/_private/ray_constants.py: ENABLE_RAY_CLUSTERS_ENV_VAR)
 SINGLE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+# --- Ray's head node, as ``ray.init`` starts a local one (ray/_private/worker.py, node.py, parameter.py) ----------
+@contextlib.contextmanager
+def lean_head() -> Iterator[None]:
+    """While ``ray.init`` starts a local Ray in this block: leave out two processes of its head node that a single-node
+    fusionserve never uses and ``ray.init`` has no switch for: the autoscaler monitor (there is no autoscaler: one
+    node) and the log monitor (it streams the workers' output to drivers, and ``log_to_driver=False``). Ray's own
+    parameters ``RayParams.no_monitor`` and ``include_log_monitor`` (what ``ray start --no-monitor`` and
+    ``--include-log-monitor=False`` set) say so; every other process starts as before.
+
+    The dashboard head stays, although with ``include_dashboard=False`` it serves only Ray's usage-stats module: left
+    out, the raylet's dashboard agent looks for its address every second, forever, and logs a traceback each time."""
+    from ray._private import parameter
+
+    params_init = parameter.RayParams.__init__
+
+    def lean_params(self: Any, *args: Any, **kwargs: Any) -> None:
+        params_init(self, *args, **kwargs)
+        self.no_monitor, self.include_log_monitor = True, False
+
+    parameter.RayParams.__init__ = lean_params  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = params_init  # type: ignore[method-assign]
 
 
 # --- Serve's gRPC context -------------------------------------------------------------------------------------------

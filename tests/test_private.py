@@ -89,6 +89,47 @@ print(round(context._deadline - time.monotonic()))
     assert done.returncode == 0 and done.stdout.strip() == "5", done.stderr[-2000:]
 
 
+def test_ray_init_builds_its_head_from_the_parts_lean_head_changes():
+    """``lean_head`` sets two of RayParams' fields after ``ray.init`` made them: a Ray that renamed them, or started the
+    two monitors without asking them, would start both again, silently (the server's own check: tests/test_ray_head.py)."""
+    from ray._private import node, parameter, worker
+
+    assert {"no_monitor", "include_log_monitor"} <= set(inspect.signature(parameter.RayParams.__init__).parameters)
+    assert "ray._private.parameter.RayParams(" in inspect.getsource(worker.init)
+    assert "if not self._ray_params.no_monitor:\n            self.start_monitor()" in inspect.getsource(
+        node.Node.start_head_processes
+    )
+    assert "if self._ray_params.include_log_monitor:\n            self.start_log_monitor()" in inspect.getsource(
+        node.Node.start_ray_processes
+    )
+
+
+def test_a_local_start_is_lean_unless_asked_and_ray_is_left_as_it_was(monkeypatch):
+    """``connect`` starts a local Ray inside ``lean_head`` (a cluster's nodes are not ours to change), and with
+    FUSIONSERVE_FULL_RAY=1 as ``ray.init`` does; RayParams is Ray's own again afterwards. Ray is not started:
+    ``ray.init`` here records the parameters it would have started the head with."""
+    import ray
+    from ray._private import parameter
+
+    from fusionserve.serving.process.cluster import connect
+
+    original = parameter.RayParams.__init__
+    seen = []
+
+    def init(**kwargs):
+        params = parameter.RayParams()
+        seen.append((params.no_monitor, params.include_log_monitor))
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    for value in ("", "0", "1"):
+        monkeypatch.setenv("FUSIONSERVE_FULL_RAY", value)
+        assert connect(quiet=True)
+    assert seen == [(True, False), (True, False), (False, None)]
+    assert parameter.RayParams.__init__ is original
+
+
 def test_rays_record_of_the_processes_it_started():
     import ray._private.node
     import ray._private.worker

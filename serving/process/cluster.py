@@ -3,6 +3,7 @@ local one. Shared by the server and by ``score --ray``; Ray is imported only her
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -10,8 +11,9 @@ import socket
 from typing import Any
 
 from fusionserve.errors import FusionServeError
+from fusionserve.settings import FULL_RAY_ENV
 
-from ..private import WORKER_NICENESS
+from ..private import WORKER_NICENESS, lean_head
 
 _PROBE_S = 5.0  # an address where nothing answers: Ray itself would retry for minutes
 
@@ -38,9 +40,12 @@ def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[s
     else:  # Ray starts its workers at nice 15 (under the driver); a server's proxy and replicas are its main work
         for name, value in WORKER_NICENESS.items():
             os.environ.setdefault(name, value)
+    # a local Ray without the head's processes that nothing here uses (serving/private.py: lean_head)
+    lean = target is None and os.environ.get(FULL_RAY_ENV, "").strip() not in ("1", "true", "yes")
     try:
         level = logging.ERROR if quiet else logging.INFO
-        ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level, runtime_env=runtime_env)
+        with lean_head() if lean else contextlib.nullcontext():
+            ray.init(address=target, include_dashboard=False, log_to_driver=False, logging_level=level, runtime_env=runtime_env)
     except Exception as exc:  # Ray's start-up raises ConnectionError, RuntimeError, TimeoutError, ValueError, ...
         where = f"join the Ray cluster at {target}" if target else "start a local Ray instance"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no reason given"
