@@ -27,8 +27,19 @@ from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
-from tests.serving_helpers import MARK_ENV, SHARED_ARGS, Served, SharedServers, carrying, new_mark
-from tests.xdist_groups import longest_first, make_scheduler, write_groups
+from tests.oip_helpers import Receiver, start_receiver
+from tests.serving_helpers import (
+    KEYED_ARGS,
+    MARK_ENV,
+    OIP_ARGS,
+    OIP_KEY,
+    SHARED_ARGS,
+    Served,
+    SharedServers,
+    carrying,
+    new_mark,
+)
+from tests.xdist_groups import SERVERS, group_of, in_groups, longest_first, make_scheduler, write_groups
 
 
 def _worker_port_range() -> None:
@@ -62,7 +73,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _shared_server_last(items)
+    items[:] = in_groups(items)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: whole groups per worker (tests/xdist_groups.py)
         items[:] = longest_first(items)
         write_groups(items)
@@ -74,15 +85,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("image"):
             item.add_marker(skip)
-
-
-def _shared_server_last(items: list[pytest.Item]) -> None:
-    """The tests on the shared server run one after the other at the end, in their modules' order, those marked
-    ``stops_shared_server`` last: it starts once and does not sit idle (a Ray node, Serve and a replica) while the rest
-    runs."""
-    on_it = [item for item in items if "shared_server" in getattr(item, "fixturenames", ())]
-    rest = [item for item in items if "shared_server" not in getattr(item, "fixturenames", ())]
-    items[:] = rest + sorted(on_it, key=lambda item: item.get_closest_marker("stops_shared_server") is not None)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed the suite runs serially
@@ -265,6 +267,65 @@ def shared_server(shared_servers, artifact) -> Served:
     Runtime thread and a 2 s body timeout, torch unimportable, started once for test_loopback, test_request_limits,
     test_serving_faults and test_serving_hardening (again after a test stopped it)."""
     return shared_servers.get("shared", artifact, *SHARED_ARGS, grpc=True)
+
+
+@pytest.fixture
+def keyed_server(shared_servers, artifact) -> Served:
+    """`fusionserve serve` of ``artifact`` with two API keys, a default task, gRPC and tight limits
+    (serving_helpers.KEYED_ARGS), torch unimportable: test_serving_api and test_serving_e2e, one group
+    (``xdist_group("keyed_server")``), so that it starts once for both."""
+    return shared_servers.get("keyed", artifact, *KEYED_ARGS, grpc=True, env={"FUSIONSERVE_API_KEY": None})
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[Receiver]:
+    """An OTLP/HTTP receiver in this process (oip_helpers.py): every span ``oip_server`` exports."""
+    receiver = start_receiver()
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture
+def oip_server(shared_servers, artifact, otlp_receiver) -> Served:
+    """`fusionserve serve` of ``artifact`` with the key from FUSIONSERVE_API_KEY, gRPC, JSON logs, small limits
+    (serving_helpers.OIP_ARGS), every request traced to ``otlp_receiver`` within 100 ms, torch unimportable:
+    test_open_inference and test_tracing_server, one group (``xdist_group("oip_server")``)."""
+    otel = {k: None for k in shared_servers.env if k.startswith("OTEL_")}  # the session's: the same at every call
+    env = otel | {"FUSIONSERVE_API_KEY": OIP_KEY, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    args = (*OIP_ARGS, "--otlp-endpoint", otlp_receiver.endpoint)
+    return shared_servers.get("oip", artifact, *args, grpc=True, env=env)
+
+
+@pytest.fixture
+def local_ray() -> None:
+    """A local Ray in this process (2 CPUs, no dashboard) for `score --ray`: started by the first test that asks for it
+    and ended after the last of those in a row (``pytest_runtest_teardown``), so that test_score_ray and
+    test_heads_files, one group (``xdist_group("local_ray")``), start it once."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """A shared server, or ``local_ray``, is stopped after the last of the tests in a row that use it: it does not sit
+    idle (a Ray node; Serve and a replica) while other tests run. A later test that asks for it starts it again."""
+    servers = getattr(item, "funcargs", {}).get("shared_servers")
+    try:
+        return (yield)
+    finally:
+        for fixture in (*SERVERS, "local_ray"):
+            used = fixture in getattr(item, "fixturenames", ())
+            later = nextitem is not None and (
+                fixture in getattr(nextitem, "fixturenames", ()) or group_of(nextitem) == group_of(item)
+            )
+            if used and not later and fixture == "local_ray":
+                import ray
+
+                ray.shutdown()
+            elif used and not later and servers is not None:
+                servers.stop(SERVERS[fixture])
 
 
 @pytest.fixture

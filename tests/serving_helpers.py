@@ -39,9 +39,12 @@ def mutations(good: bytes, count: int, most_edits: int, seed: int = 0) -> list[b
     return out
 
 
-def call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:
+def call(
+    url: str, body: object = None, raw: bytes | None = None, timeout: float = 30, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"} if data else {})
+    head = ({"content-type": "application/json"} if data else {}) | (headers or {})
+    req = urllib.request.Request(url, data=data, headers=head)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -163,33 +166,70 @@ def serving(artifact: Path, log: Path, *args: str, **kwargs) -> Iterator[Served]
 SHARED_BODY_TIMEOUT_S = 2  # the shared server's --body-timeout-s: a stalled body is answered 408 this soon
 SHARED_ARGS = ("--body-timeout-s", str(SHARED_BODY_TIMEOUT_S), "--threads", "1")  # and gRPC on (conftest.shared_server)
 
+# conftest.keyed_server, for test_serving_api and test_serving_e2e: two accepted API keys (rotation), a default task,
+# gRPC, tight limits, and a 1 s batch wait with batches of 4 (a request of fewer than 4 inputs reaching an idle model
+# is still queued 1 s after it arrived: what lets a 50 ms deadline pass, or a client hang up, while it waits).
+KEY = "k-" + os.urandom(12).hex()  # 26 characters, fresh for every run: any trace of it in a log is the tests'
+OTHER_KEY = "k2-" + os.urandom(8).hex()  # the second accepted key
+KEYED_MAX_INPUTS, KEYED_MAX_BODY, KEYED_MAX_BATCH = 8, 4096, 4
+KEYED_ARGS = ("--api-key", f"{KEY}, {OTHER_KEY}", "--default-task", "rte", "--threads", "1",
+              "--max-inputs", str(KEYED_MAX_INPUTS), "--max-body-bytes", str(KEYED_MAX_BODY),
+              "--max-batch-size", str(KEYED_MAX_BATCH), "--batch-wait-ms", "1000", "--max-ongoing", "4",
+              "--max-queued", "4")  # fmt: skip
+
+# conftest.oip_server, for test_open_inference and test_tracing_server: the key from FUSIONSERVE_API_KEY, gRPC,
+# --log-format json, small limits, a 300 ms batch wait with batches of 8 (a lone request waits that long for
+# company: deadlines and mixed batches testable on any machine), and every request traced to conftest.otlp_receiver.
+OIP_KEY = "k-" + os.urandom(10).hex()
+OIP_MAX_INPUTS, OIP_MAX_BODY, OIP_MAX_BATCH = 8, 8192, 8
+OIP_ARGS = ("--threads", "1", "--max-inputs", str(OIP_MAX_INPUTS), "--max-body-bytes", str(OIP_MAX_BODY),
+            "--batch-wait-ms", "300", "--max-batch-size", str(OIP_MAX_BATCH), "--log-format", "json")  # fmt: skip
+
 
 class SharedServers:
-    """The servers of the tests that only need a server, by name: each started at its first use and kept for the test
-    session, so that the modules that share one start Ray once. A test that stops a shared server (the tests of
-    stopping do) leaves it stopped; the next test that asks for it gets it started again. Stopped at the end."""
+    """The servers of the tests that only need a server, by name: each started at its first use and kept while the
+    tests that use it run one after the other (conftest stops it after the last of them), so that the modules that
+    share one start Ray once. A test that stops a shared server (the tests of stopping do) leaves it stopped; the next
+    test that asks for it gets it started again. Stopped at the end."""
 
     def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
         self.folder, self.env = folder, env
         self.running: dict[str, tuple[tuple[str, ...], Served]] = {}
         self.starts: dict[str, int] = {}
+        self.failed: dict[str, str] = {}  # name -> why its start failed: the tests after it fail at once, not each in 240 s
 
-    def get(self, name: str, artifact: Path, *args: str, grpc: bool = False) -> Served:
+    def get(self, name: str, artifact: Path, *args: str, grpc: bool = False, env: dict[str, str | None] | None = None) -> Served:
         """The running server ``name`` (``fusionserve serve artifact *args``, with ``--grpc-port`` on a free port if
-        ``grpc``), started now if it is not running."""
-        key = (str(artifact), *args, "--grpc" if grpc else "")
+        ``grpc``, in the shared environment changed by ``env``: a variable set, or removed where its value is None),
+        started now if it is not running."""
+        env = env or {}
+        key = (str(artifact), *args, "--grpc" if grpc else "", *sorted(f"{k}={v}" for k, v in env.items()))
         if name in self.running:
             started_with, served = self.running[name]
             assert started_with == key, f"shared server {name!r} asked for with {key}, started with {started_with}"
             if served.proc.poll() is None:
                 return served
+        if name in self.failed:
+            pytest.fail(f"shared server {name!r} did not start earlier in this session: {self.failed[name]}")
         self.starts[name] = self.starts.get(name, 0) + 1
         grpc_port = free_port() if grpc else None
         extra = ("--grpc-port", str(grpc_port)) if grpc_port else ()
-        served = launch(artifact, self.folder / f"{name}-{self.starts[name]}.log", *args, *extra, env=self.env)
+        environ = {k: v for k, v in (self.env or os.environ).items() if k not in env} | {
+            k: v for k, v in env.items() if v is not None
+        }
+        try:
+            served = launch(artifact, self.folder / f"{name}-{self.starts[name]}.log", *args, *extra, env=environ)
+        except pytest.fail.Exception as exc:
+            self.failed[name] = str(exc)[:3000]
+            raise
         served.grpc_port = grpc_port
         self.running[name] = (key, served)
         return served
+
+    def stop(self, name: str) -> None:
+        """Stop the server ``name`` if it runs (SIGINT); the next ``get`` starts it again."""
+        if name in self.running:
+            stop(self.running[name][1])
 
     def stop_all(self) -> None:
         for _, served in self.running.values():

@@ -17,6 +17,8 @@ from fusionserve.cli.main import main
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.heads_helpers import HeadsModel, build_heads
 
+pytestmark = pytest.mark.xdist_group("local_ray")  # with test_score_ray: one Ray start for both (conftest.local_ray)
+
 TOL = 1e-4
 
 
@@ -316,9 +318,7 @@ def test_predict_with_the_spec_runs_every_head_as_the_artifact_does(heads, tmp_p
 
 
 @pytest.mark.slow
-def test_score_on_ray_data_writes_what_the_local_run_writes_for_every_head(heads, tmp_path):
-    import ray
-
+def test_score_on_ray_data_writes_what_the_local_run_writes_for_every_head(heads, tmp_path, local_ray):
     from fusionserve.scoring.config import ScoreConfig
     from fusionserve.scoring.score import score_file
 
@@ -326,17 +326,13 @@ def test_score_on_ray_data_writes_what_the_local_run_writes_for_every_head(heads
     src = _jsonl(tmp_path / "in.jsonl", rows)
     options = {"task": ("ner", "swag", "squad", "sts"), "aggregation_strategy": "average", "top_k": 2, "all_scores": True,
                "progress": False, "chunk_size": 4}  # fmt: skip
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        for out in ("out.parquet", "out.jsonl"):
-            a = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"local-{out}", **options))
-            b = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"ray-{out}", ray=True, **options))
-            assert (a.scored, a.failed) == (b.scored, b.failed) == (6, 1)
-            local, remote = tmp_path / f"local-{out}", tmp_path / f"ray-{out}"
-            if out.endswith(".parquet"):
-                assert pq.read_table(remote).equals(pq.read_table(local))
-                assert "list<element: struct<entity_group: string" in str(pq.read_schema(local).field("ner_entities").type)
-            else:
-                assert remote.read_bytes() == local.read_bytes()
-    finally:
-        ray.shutdown()
+    for out in ("out.parquet", "out.jsonl"):
+        a = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"local-{out}", **options))
+        b = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"ray-{out}", ray=True, **options))
+        assert (a.scored, a.failed) == (b.scored, b.failed) == (6, 1)
+        local, remote = tmp_path / f"local-{out}", tmp_path / f"ray-{out}"
+        if out.endswith(".parquet"):
+            assert pq.read_table(remote).equals(pq.read_table(local))
+            assert "list<element: struct<entity_group: string" in str(pq.read_schema(local).field("ner_entities").type)
+        else:
+            assert remote.read_bytes() == local.read_bytes()

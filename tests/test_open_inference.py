@@ -1,8 +1,9 @@
 """End to end: the Open Inference Protocol (KServe v2, REST and gRPC) on a real `fusionserve serve` (Ray Serve, ONNX
 Runtime, HAProxy) on 127.0.0.1, spoken to by Triton's own client (tritonclient 2.73 in an environment of its own:
-tests/triton_env.py) and by raw requests for what no client sends (its traces: tests/test_tracing_server.py). One
-server for the module: an API key, gRPC, --log-format json, small limits (8 inputs, 8 KB bodies) and a 300 ms batch wait (a lone request waits that long for
-company, which makes deadlines and mixed batches testable on any machine).
+tests/triton_env.py) and by raw requests for what no client sends (its traces: tests/test_tracing_server.py). The server
+is conftest's ``oip_server``, shared with test_tracing_server (one group): an API key, gRPC, --log-format json, small
+limits (8 inputs, 8 KB bodies, batches of 8) and a 300 ms batch wait (a lone request waits that long for company, which
+makes deadlines and mixed batches testable on any machine).
 """
 
 import json
@@ -23,31 +24,25 @@ from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
 from fusionserve.serving.api.grpc_status import ERROR_TYPE_KEY
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.oip_helpers import Triton, bytes_tensor, request
-from tests.serving_helpers import free_port, launch, stop
+from tests.serving_helpers import OIP_KEY as KEY
+from tests.serving_helpers import OIP_MAX_BATCH, OIP_MAX_BODY, OIP_MAX_INPUTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("oip_server")]
 
-KEY = "k-" + os.urandom(10).hex()
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = {"authorization": f"Bearer {KEY}"}
-MAX_BODY = 8192
+MAX_BODY = OIP_MAX_BODY
 TEXTS = [SENTENCES[0], SENTENCES[2], SENTENCES[4]]
 
 
-@pytest.fixture(scope="module")
-def server(artifact, tmp_path_factory):
-    log = tmp_path_factory.mktemp("oip-log") / "server.log"
-    grpc_port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | {"FUSIONSERVE_API_KEY": KEY}
-    served = launch(artifact, log, "--grpc-port", str(grpc_port), "--threads", "1", "--max-inputs", "8",
-                    "--max-body-bytes", str(MAX_BODY), "--batch-wait-ms", "300", "--max-batch-size", "8",
-                    "--log-format", "json", env=env)  # fmt: skip
-    served.grpc = f"127.0.0.1:{grpc_port}"
-    served.channel = grpc.insecure_channel(served.grpc)
-    served.stub = v2_grpc.GRPCInferenceServiceStub(served.channel)
-    yield served
-    served.channel.close()
-    stop(served)
+@pytest.fixture
+def server(oip_server):
+    """conftest's OIP server, with its gRPC address (``grpc``), a channel to it (``channel``) and a stub (``stub``) of the
+    inference service."""
+    oip_server.grpc = f"127.0.0.1:{oip_server.grpc_port}"
+    with grpc.insecure_channel(oip_server.grpc) as channel:
+        oip_server.channel, oip_server.stub = channel, v2_grpc.GRPCInferenceServiceStub(channel)
+        yield oip_server
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +102,7 @@ def test_server_and_model_routes_answer_tritonclient(server, triton, labels, cli
         assert [(t["name"], t["datatype"]) for t in model["outputs"]] == [("label", "BYTES"), ("scores", "FP32")]
         config = call("get_model_config", task)["result"]
         config = config.get("config", config)  # gRPC answers {"config": ...}
-        assert config["name"] == task and int(config["max_batch_size"]) == 8
+        assert config["name"] == task and int(config["max_batch_size"]) == OIP_MAX_BATCH
         assert json.loads(config["parameters"]["labels"]["string_value"]) == names  # the columns of scores
         assert [int(d) for d in config["output"][1]["dims"]] == [len(names)]
         if client == "http":  # the REST metadata names the labels too
@@ -186,7 +181,12 @@ BAD_JSON = [
     ("missing text", [{**_TEXT, "name": "text_pair"}], 400, "input 'text' is missing"),
     ("unknown input", [_TEXT, {**_TEXT, "name": "image"}], 400, "'image' is not an input"),
     ("empty text", [{**_TEXT, "data": ["a", " "]}], 400, "inputs[1]: must be a non-empty string"),
-    ("too many inputs", [{**_TEXT, "shape": [9], "data": ["a"] * 9}], 413, "9 inputs in one request; the limit is 8"),
+    (
+        "too many inputs",
+        [{**_TEXT, "shape": [OIP_MAX_INPUTS + 1], "data": ["a"] * (OIP_MAX_INPUTS + 1)}],
+        413,
+        f"{OIP_MAX_INPUTS + 1} inputs in one request; the limit is {OIP_MAX_INPUTS}",
+    ),
 ]
 
 
@@ -254,7 +254,7 @@ def test_unknown_model_or_version_and_oversized_bodies_are_refused(server):
         assert code == 404 and says in json.loads(got)["error"], got
     big, headers = _binary(["x" * (MAX_BODY + 100)])
     code, _, got = request(server.port, "POST", "/v2/models/rte/infer", big, headers)
-    assert code == 413 and "the limit is 8192" in json.loads(got)["error"]
+    assert code == 413 and f"the limit is {MAX_BODY}" in json.loads(got)["error"]
     code, _, got = request(server.port, "POST", "/v2/models/rte/infer", body, AUTH | {"content-type": "text/plain"})
     assert code == 415 and "Content-Type 'text/plain' is not supported" in json.loads(got)["error"]
     code, _, got = request(server.port, "POST", "/v2/models/rte/infer", b"{not json", AUTH)
@@ -276,7 +276,7 @@ BAD_GRPC = [
     ("missing text", v2.ModelInferRequest(model_name="rte"), grpc.StatusCode.INVALID_ARGUMENT, "input 'text' is missing"),
     ("unknown model", _grpc_infer(["a"], model="nope"), grpc.StatusCode.NOT_FOUND, "unknown model 'nope'"),
     ("unknown version", _grpc_infer(["a"], model_version="9"), grpc.StatusCode.NOT_FOUND, "version '9'"),
-    ("oversized", _grpc_infer(["x" * (MAX_BODY + 100)]), grpc.StatusCode.INVALID_ARGUMENT, "the limit is 8192"),
+    ("oversized", _grpc_infer(["x" * (MAX_BODY + 100)]), grpc.StatusCode.INVALID_ARGUMENT, f"the limit is {MAX_BODY}"),
 ]
 
 
@@ -317,7 +317,7 @@ def test_a_request_still_queued_at_its_deadline_is_dropped(server, triton):
 # --- the OpenAPI description, as generators and fuzzers read it ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def described(server) -> dict:
     with urllib.request.urlopen(server.url + "/openapi.json", timeout=30) as resp:  # open, like the docs
         return json.loads(resp.read())

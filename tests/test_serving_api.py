@@ -5,10 +5,11 @@ last tokens; a request still queued at its deadline gets 504 and never reaches t
 of a client that hung up (counted apart); TEI's /predict and the Inference API's / answer in their shapes, and
 huggingface_hub's InferenceClient classifies through them.
 
-The server waits up to 1 s for a batch to fill (--batch-wait-ms 1000, --max-batch-size 4): a request of fewer than 4
-inputs reaching an idle model is still queued 1 s after it arrived, which is what lets a 50 ms deadline pass, or a
-client hang up, while it waits, on any machine. (The wait ends early when another request arrives: the tests that
-need it leave the model idle before each such request.)"""
+The server is conftest's ``keyed_server`` (serving_helpers.KEYED_ARGS), shared with test_serving_e2e: this module
+runs first on it, in one group. It waits up to 1 s for a batch to fill (--batch-wait-ms 1000, --max-batch-size 4): a
+request of fewer than 4 inputs reaching an idle model is still queued 1 s after it arrived, which is what lets a 50 ms
+deadline pass, or a client hang up, while it waits, on any machine. (The wait ends early when another request arrives:
+the tests that need it leave the model idle before each such request.)"""
 
 import json
 import os
@@ -32,26 +33,20 @@ from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
 from fusionserve.serving.api.grpc_ingress import ERROR_TYPE_KEY
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
-from tests.serving_helpers import descendants, free_port, serving
+from tests.serving_helpers import KEY, OTHER_KEY, descendants
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("keyed_server")]
 
-KEY = "k-" + os.urandom(12).hex()  # 26 characters, fresh for every run: any trace of it in a log is this test's
-OTHER_KEY = "k2-" + os.urandom(8).hex()  # a second accepted key (rotation)
 WRONG = ["", "Bearer", "Bearer " + "x" * len(KEY), "Bearer " + KEY[:-1], "Bearer " + KEY + "0", f"Basic {KEY}", KEY]
 METADATA = (("application", "fusionserve"),)
 
 
-@pytest.fixture(scope="module")
-def server(artifact, tmp_path_factory):
-    log = tmp_path_factory.mktemp("api-log") / "server.log"
-    grpc_port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "FUSIONSERVE_API_KEY"}
-    args = ["--api-key", f"{KEY}, {OTHER_KEY}", "--default-task", "rte", "--grpc-port", str(grpc_port), "--threads", "1",
-            "--max-batch-size", "4", "--batch-wait-ms", "1000", "--max-inputs", "64"]  # fmt: skip
-    with serving(artifact, log, *args, env=env) as served, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-        served.stub = pb_grpc.ClassifierStub(channel)
-        yield served
+@pytest.fixture
+def server(keyed_server):
+    """conftest's keyed server, with a gRPC stub (``stub``) of the Classifier service."""
+    with grpc.insecure_channel(f"127.0.0.1:{keyed_server.grpc_port}") as channel:
+        keyed_server.stub = pb_grpc.ClassifierStub(channel)
+        yield keyed_server
 
 
 def _call(url: str, body: object = None, auth: str | None = "Bearer " + KEY, headers: dict | None = None, method=None):

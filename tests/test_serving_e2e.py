@@ -1,5 +1,7 @@
 """End to end: the real `fusionserve serve` (Ray Serve, ONNX Runtime) on 127.0.0.1 with a tiny exported artifact,
-spoken to over HTTP. One server for the module (Ray takes seconds to start); stopped with SIGINT at the end."""
+spoken to over HTTP. The server is conftest's ``keyed_server`` (serving_helpers.KEYED_ARGS: tight limits, an API key),
+shared with test_serving_api, which runs before this module on it (Ray takes seconds to start); the last test here
+stops it with SIGINT."""
 
 import json
 import signal
@@ -14,23 +16,27 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fusionserve.serving.model.predictions import TextInput, softmax
 from fusionserve.serving.model.runtime import OnnxRunner
+from tests import serving_helpers
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.runtime_helpers import MAX_SEQ_LEN  # the shared artifact's
-from tests.serving_helpers import call, serving
+from tests.serving_helpers import KEY, KEYED_MAX_BODY, KEYED_MAX_INPUTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("keyed_server")]
 
-MAX_INPUTS = 8
-MAX_BODY = 4096
-LIMITS = ["--max-inputs", str(MAX_INPUTS), "--max-body-bytes", str(MAX_BODY), "--max-batch-size", "4",
-          "--batch-wait-ms", "100", "--max-ongoing", "4", "--max-queued", "4", "--threads", "1"]  # fmt: skip
+MAX_INPUTS = KEYED_MAX_INPUTS  # --max-inputs 8, --max-body-bytes 4096, --max-batch-size 4, --batch-wait-ms 1000,
+MAX_BODY = KEYED_MAX_BODY  # --max-ongoing 4, --max-queued 4, --threads 1
+AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(artifact, tmp_path_factory):
-    """(url, process, log) of a server with tight limits, for this module alone; its last test stops it."""
-    with serving(artifact, tmp_path_factory.mktemp("serve-log") / "server.log", *LIMITS) as served:
-        yield served.url, served.proc, served.log
+def call(url: str, body: object = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, dict]:
+    """serving_helpers.call with the server's API key."""
+    return serving_helpers.call(url, body, raw, timeout, headers=AUTH)
+
+
+@pytest.fixture
+def server(keyed_server):
+    """(url, process, log) of conftest's keyed server; the last test here stops it."""
+    return keyed_server.url, keyed_server.proc, keyed_server.log
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +174,7 @@ def test_concurrent_requests_over_several_tasks_each_get_their_solo_answer(serve
     with ThreadPoolExecutor(6) as pool:  # within what the server holds (--max-ongoing 4 + --max-queued 4)
         answers = list(pool.map(lambda tw: call(server[0] + "/v1/classify", {"task": tw[0], "inputs": [tw[1]]}), work))
     tasks_after, batches_after = _batch_tasks(server[0])
-    # one-task requests of different tasks shared batches (--batch-wait-ms 100 lets the next arrival join)
+    # one-task requests of different tasks shared batches (--batch-wait-ms lets the next arrival join)
     assert tasks_after - tasks_before > batches_after - batches_before > 0
     served = 0
     for (task, text), (status, body) in zip(work, answers, strict=True):
@@ -216,6 +222,7 @@ def test_overload_is_answered_503_quickly_and_the_server_keeps_serving(server):
     assert call(url + "/v1/classify", {"task": "rte", "inputs": ["still here"]})[0] == 200
 
 
+@pytest.mark.stops_shared_server
 def test_sigint_shuts_down_cleanly(server):
     url, proc, log = server
     proc.send_signal(signal.SIGINT)

@@ -1,9 +1,9 @@
 """End to end: OpenTelemetry traces of a real `fusionserve serve` (Ray Serve, ONNX Runtime, HAProxy) on 127.0.0.1,
-exported to an OTLP/HTTP receiver in this process (tests/oip_helpers.py), over every ingress a request can take
-(/v1/classify, the Open Inference Protocol over HTTP and gRPC), with JSON logs carrying the trace id. One traced
-server for the module: an API key, gRPC, every request traced, --log-format json, and a 300 ms batch wait (a lone
-request waits that long for company, which makes mixed batches testable on any machine). The tracer's spans and
-export without a server: tests/test_otlp.py.
+exported to an OTLP/HTTP receiver in this process (tests/oip_helpers.py, conftest's ``otlp_receiver``), over every
+ingress a request can take (/v1/classify, the Open Inference Protocol over HTTP and gRPC), with JSON logs carrying the
+trace id. The traced server is conftest's ``oip_server``, shared with test_open_inference (one group): an API key,
+gRPC, every request traced, --log-format json, and a 300 ms batch wait (a lone request waits that long for company,
+which makes mixed batches testable on any machine). The tracer's spans and export without a server: tests/test_otlp.py.
 """
 
 import http.client
@@ -22,41 +22,29 @@ from fusionserve.serving.api import grpc_predict_v2_pb2 as v2
 from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
 from fusionserve.serving.api.tracing import INGRESS_HEADER
 from tests.adapterhub_models import SENTENCES
-from tests.oip_helpers import bytes_tensor, request, start_receiver
-from tests.serving_helpers import free_port, launch, stop
+from tests.oip_helpers import bytes_tensor, request
+from tests.serving_helpers import OIP_KEY as KEY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("oip_server")]
 
-KEY = "k-" + os.urandom(10).hex()
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = {"authorization": f"Bearer {KEY}"}
 TEXTS = [SENTENCES[0], SENTENCES[2], SENTENCES[4]]
 _TEXT = {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]}
 
 
-@pytest.fixture(scope="module")
-def receiver():
-    r = start_receiver()
-    yield r
-    r.server.shutdown()
+@pytest.fixture
+def receiver(otlp_receiver):
+    """The receiver of the traced server's spans (every request's, within 100 ms)."""
+    return otlp_receiver
 
 
-@pytest.fixture(scope="module")
-def server(artifact, receiver, tmp_path_factory):
-    """The traced server: every request's spans sent to ``receiver`` within 100 ms."""
-    log = tmp_path_factory.mktemp("traced-log") / "server.log"
-    grpc_port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | {
-        "FUSIONSERVE_API_KEY": KEY,
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-    }
-    served = launch(artifact, log, "--grpc-port", str(grpc_port), "--threads", "1", "--batch-wait-ms", "300",
-                    "--max-batch-size", "8", "--otlp-endpoint", receiver.endpoint, "--log-format", "json", env=env)  # fmt: skip
-    served.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    served.stub = v2_grpc.GRPCInferenceServiceStub(served.channel)
-    yield served
-    served.channel.close()
-    stop(served)
+@pytest.fixture
+def server(oip_server):
+    """conftest's traced server, with a stub (``stub``) of the inference service."""
+    with grpc.insecure_channel(f"127.0.0.1:{oip_server.grpc_port}") as channel:
+        oip_server.stub = v2_grpc.GRPCInferenceServiceStub(channel)
+        yield oip_server
 
 
 def _classify(server, task: str, inputs: list) -> dict:

@@ -1,6 +1,7 @@
 """Whole groups per pytest-xdist worker (``pytest -n 2``): each test module runs whole on one worker, in its order, so
 its module fixtures (a server, a Ray cluster) start once; the tests on the shared server (conftest's
-``shared_server``) run as one group, ``stops_shared_server`` last, so it starts once in the whole run.
+``shared_server``) run as one group, and so do the modules of one ``xdist_group`` mark (several modules on one of
+conftest's shared servers, or on its ``local_ray``), ``stops_shared_server`` last, so that each starts once in the run.
 
 xdist's own ``--dist loadgroup`` would do this from ``xdist_group`` marks, but it renames the tests' node ids to carry
 the group, which pytest 9.2 no longer lets a plugin do (pytest-xdist 3.8 sets an attribute pytest stopped reading:
@@ -23,19 +24,43 @@ def groups_file(run_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"fusionserve-xdist-groups-{run_id}.json"
 
 
+# The shared servers' fixtures (conftest) -> their names in SharedServers.
+SERVERS = {"shared_server": "shared", "keyed_server": "keyed", "oip_server": "oip"}
+
+
 def group_of(item: pytest.Item) -> str:
-    return "shared_server" if "shared_server" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+    """The tests on conftest's ``shared_server``; a module's ``xdist_group`` mark (several modules on one shared
+    server); or the test's module."""
+    if "shared_server" in getattr(item, "fixturenames", ()):
+        return "shared_server"
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return mark.args[0] if mark.args else mark.kwargs["name"]
+    return item.nodeid.split("::")[0]
+
+
+def in_groups(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The items in collection order, but each ``xdist_group`` together where its first test is, and the tests on the
+    shared server at the end; in each group those marked ``stops_shared_server`` last. A shared server then starts
+    once, even without xdist, and does not sit idle (a Ray node, Serve and a replica) while other tests run."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        named = group_of(item) != item.nodeid.split("::")[0]
+        groups.setdefault(group_of(item) if named else item.nodeid, []).append(item)
+    order = sorted(groups, key=lambda name: name == "shared_server")
+    stops = lambda item: item.get_closest_marker("stops_shared_server") is not None  # noqa: E731
+    return [item for name in order for item in sorted(groups[name], key=stops)]
 
 
 # The longest groups, longest first, as profiled (the runs' --durations, scripts/cpu_profile.py): each starts servers
 # or Ray several times. A stale entry only costs balance, never a test.
 LONGEST = [
-    f"tests/test_{name}.py" if name != "shared_server" else name
+    name if name.endswith(("_server", "_ray")) else f"tests/test_{name}.py"
     for name in (
-        "serving_faults_load", "serve_config", "open_inference", "serving_faults", "shared_server", "backbones_int8",
+        "serving_faults_load", "serve_config", "oip_server", "serving_faults", "shared_server", "backbones_int8",
         "backbones_export", "default_model", "cluster", "head_kinds_export", "backbones_serving", "process_cleanup",
-        "score_ray", "loopback", "serving_api", "live_tasks", "heads_files", "heads_serving", "tracing_server", "live_serving",
-        "int8_serving", "drawn_port_taken", "serving_e2e",
+        "local_ray", "loopback", "keyed_server", "live_tasks", "heads_serving", "live_serving",
+        "int8_serving", "drawn_port_taken",
     )
 ]  # fmt: skip
 

@@ -270,7 +270,8 @@ class Server:
     def serve_forever(self) -> int:
         """Serve until SIGINT/SIGTERM, then stop; returns 0, or 1 when Ray's GCS or raylet died under the server (a
         supervised server then leaves the clean-up to its supervisor: Ray's shutdown would wait for what died).
-        While starting, either signal is an interruption (``_Interrupted``, then the same stop); the handlers go in
+        While starting, either signal is an interruption (``_Interrupted``, which Ray's ray.get, when the signal lands
+        in it, raises again as a KeyboardInterrupt of its own; then the same stop); the handlers go in
         again once Ray is up, because Ray's start-up replaces them with its own, which ends the process without
         stopping anything. Raises what ``start`` raises, after stopping."""
 
@@ -280,7 +281,7 @@ class Server:
         _on_signals(_interrupt)
         try:
             url = self.start(say, after_ray=lambda: _on_signals(_interrupt))
-        except _Interrupted:
+        except KeyboardInterrupt:  # _Interrupted, or the KeyboardInterrupt that Ray's ray.get raises in its place
             _on_signals(lambda *_: None)  # a second signal must not cut the stop short
             say("interrupted while starting; shutting down")
             self.stop()
