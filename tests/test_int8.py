@@ -36,7 +36,7 @@ from fusionserve.serving.model.artifact import load_artifact
 from fusionserve.serving.model.predictions import TextInput, label_scores, softmax
 from fusionserve.serving.model.runtime import OnnxRunner, make_session
 from tests.adapterhub_models import TASKS
-from tests.export_helpers import _cli
+from tests.export_helpers import _cli, default_int8
 from tests.runtime_helpers import MAX_SEQ_LEN, _batches
 from tests.score_helpers import _read, _texts, _write
 
@@ -50,9 +50,7 @@ QUANTIZED_MATMULS = ROW_MATMULS
 
 @pytest.fixture(scope="module")
 def int8(built_st, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("int8") / "artifact"
-    manifest = export_artifact(built_st.spec, folder, "int8", max_seq_len=MAX_SEQ_LEN, progress=False)
-    return folder, manifest
+    return default_int8(built_st.spec, MAX_SEQ_LEN, tmp_path_factory)  # the same export as test_int8_rowwise.py's
 
 
 def test_int8_export_passes_its_gate_and_records_it(built_st, int8):
