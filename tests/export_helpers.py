@@ -1,6 +1,8 @@
 """Shared by the export tests (test_export.py, test_export_errors.py): the settings of the tiny model's export (the
-``exported`` fixture in conftest.py) and running the command line."""
+``exported`` fixture in conftest.py), running the command line, and the default int8 export that test_int8.py and
+test_int8_rowwise.py both check."""
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,3 +24,20 @@ def _cli(capsys, *argv):
     code = main([str(a) for a in argv])
     cap = capsys.readouterr()
     return code, cap.out, cap.err
+
+
+_DEFAULT_INT8: dict[tuple[str, int], tuple[Path, dict[str, Any]]] = {}
+
+
+def default_int8(spec: Path, max_seq_len: int, tmp_path_factory: Any) -> tuple[Path, dict[str, Any]]:
+    """``export_artifact(spec, FOLDER, "int8", max_seq_len)`` with the default Int8Options: the folder and (a copy of)
+    the manifest it returned. Once per test process: the int8 test modules that check the default export read the same
+    folder (read only) instead of exporting it again."""
+    from fusionserve.export.artifact import export_artifact
+
+    key = (str(spec), max_seq_len)
+    if key not in _DEFAULT_INT8:
+        folder = tmp_path_factory.mktemp("int8") / "artifact"
+        _DEFAULT_INT8[key] = folder, export_artifact(spec, folder, "int8", max_seq_len=max_seq_len, progress=False)
+    folder, manifest = _DEFAULT_INT8[key]
+    return folder, copy.deepcopy(manifest)

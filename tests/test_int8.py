@@ -4,6 +4,8 @@ the test inputs; the gate also checks batches mixing every task; `score` and `ev
 its runtime does on the same batches; `prune --precision int8`. Serving an int8 artifact over HTTP is in
 test_int8_serving.py."""
 
+import contextlib
+import io
 import json
 from collections import Counter
 from dataclasses import asdict
@@ -13,6 +15,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from fusionserve.cli.main import build_parser, main
+from fusionserve.cli.model_commands import int8_options
 from fusionserve.export.artifact import export_artifact
 from fusionserve.export.build import build_model
 from fusionserve.export.int8.quantize import (
@@ -32,7 +36,7 @@ from fusionserve.serving.model.artifact import load_artifact
 from fusionserve.serving.model.predictions import TextInput, label_scores, softmax
 from fusionserve.serving.model.runtime import OnnxRunner, make_session
 from tests.adapterhub_models import TASKS
-from tests.export_helpers import _cli
+from tests.export_helpers import _cli, default_int8
 from tests.runtime_helpers import MAX_SEQ_LEN, _batches
 from tests.score_helpers import _read, _texts, _write
 
@@ -46,9 +50,7 @@ QUANTIZED_MATMULS = ROW_MATMULS
 
 @pytest.fixture(scope="module")
 def int8(built_st, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("int8") / "artifact"
-    manifest = export_artifact(built_st.spec, folder, "int8", max_seq_len=MAX_SEQ_LEN, progress=False)
-    return folder, manifest
+    return default_int8(built_st.spec, MAX_SEQ_LEN, tmp_path_factory)  # the same export as test_int8_rowwise.py's
 
 
 def test_int8_export_passes_its_gate_and_records_it(built_st, int8):
@@ -236,10 +238,20 @@ def test_gate_thresholds_are_checked():
         Int8Gate(max_probability_change=-0.1)
 
 
-def test_cli_export_int8_inspect_and_prune(built_st, stats, tmp_path, capsys):
-    art = tmp_path / "int8"
-    code, out, _ = _cli(capsys, "export", built_st.spec, "--out", art, "--precision", "int8", "--max-seq-len", 16)
-    assert code == 0, out
+@pytest.fixture(scope="module")
+def cli_int8(built_st, tmp_path_factory):
+    """``fusionserve export SPEC --precision int8 --max-seq-len 16``, the int8 flags left at their defaults: the folder
+    and what it printed. Once for the module: the two command-line tests below read the same export."""
+    art = tmp_path_factory.mktemp("cli-int8") / "int8"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["export", str(built_st.spec), "--out", str(art), "--precision", "int8", "--max-seq-len", "16"])
+    assert code == 0, out.getvalue() + err.getvalue()
+    return art, out.getvalue()
+
+
+def test_cli_export_int8_inspect_and_prune(built_st, stats, cli_int8, tmp_path, capsys):
+    art, out = cli_int8
     assert f"wrote {art}: {len(TASKS)} task(s), int8" in out and "int8 gate   vs the fp32 graph over" in out
     gate = load_artifact(art).manifest["int8"]["gate"]
     code, out, _ = _cli(capsys, "inspect", art)
@@ -260,11 +272,12 @@ def test_cli_export_int8_inspect_and_prune(built_st, stats, tmp_path, capsys):
     assert code == 0 and '"label": ' in out
 
 
-def test_cli_int8_fp32_chooses_the_gemms_left_in_fp32(built_st, stats, tmp_path, capsys):
-    every = tmp_path / "every"
-    argv = ["--out", every, "--precision", "int8", "--max-seq-len", 16, "--int8-fp32", "none"]
-    code, out, _ = _cli(capsys, "export", built_st.spec, *argv)
-    assert code == 0, out
+def test_cli_int8_fp32_chooses_the_gemms_left_in_fp32(built_st, stats, cli_int8, tmp_path, capsys):
+    # --int8-fp32 none gives exactly the default options (so the same export as cli_int8's): every GEMM in int8
+    given = ["export", str(built_st.spec), "--out", str(tmp_path / "every"), "--precision", "int8", "--max-seq-len", "16"]
+    none = int8_options(build_parser().parse_args([*given, "--int8-fp32", "none"]))
+    assert none == int8_options(build_parser().parse_args(given)) and none.fp32_roles == ()
+    every, _ = cli_int8
     q = load_artifact(every).manifest["int8"]["quantization"]
     assert q["fp32_roles"] == [] and q["quantized"]["MatMul"] == QUANTIZED_MATMULS  # the default: every GEMM
     pruned = tmp_path / "pruned"

@@ -12,9 +12,11 @@ import pytest
 from onnx import TensorProto, numpy_helper
 from onnx import helper as oh
 
+from fusionserve.cli.main import build_parser
+from fusionserve.cli.model_commands import int8_options
 from fusionserve.export.build import build_model
 from fusionserve.export.int8.gemm_roles import ROW_ROLES
-from fusionserve.export.int8.quantize import Int8Options, adapter_gemms, backbone_roles
+from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, Int8Options, adapter_gemms, backbone_roles
 from fusionserve.export.int8.rowwise import quantize_rows, weight_int8, zero_point_rows
 from fusionserve.export.spec import load_spec
 from fusionserve.export.validate import BATCH_SIZES, count_cases
@@ -22,7 +24,7 @@ from fusionserve.serving.model.artifact import load_artifact
 from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import make_session
 from tests.adapterhub_models import TASKS
-from tests.export_helpers import _cli
+from tests.export_helpers import _cli, default_int8
 from tests.runtime_helpers import MAX_SEQ_LEN
 
 K, N = 48, 20
@@ -122,12 +124,14 @@ def test_quantize_rows_refuses_what_it_cannot_rewrite():
 
 
 def test_export_quantizes_backbone_and_adapter_gemms_per_row_and_gates_it(
-    built_st, artifacts, tmp_path, capsys, monkeypatch, caplog
+    built_st, artifacts, tmp_path_factory, tmp_path, capsys, monkeypatch, caplog
 ):
-    art = tmp_path / "int8"
-    argv = ["export", built_st.spec, "--out", art, "--precision", "int8", "--max-seq-len", MAX_SEQ_LEN]
-    code, _, err = _cli(capsys, *argv, "--int8-fp32", "none", "--int8-activations", "row")
-    assert code == 0, err
+    # `export --int8-fp32 none --int8-activations row` asks for exactly the default options: the default export (the one
+    # test_int8.py checks too, exported once per process) is that export
+    given = ["export", str(built_st.spec), "--out", str(tmp_path / "int8"), "--precision", "int8"]
+    asked = int8_options(build_parser().parse_args([*given, "--int8-fp32", "none", "--int8-activations", "row"]))
+    assert asked == DEFAULT_OPTIONS and asked.activations == "row" and asked.fp32_roles == ()
+    art, _ = default_int8(built_st.spec, MAX_SEQ_LEN, tmp_path_factory)
     record = load_artifact(art).manifest["int8"]
     assert record["quantization"]["options"]["activations"] == "row"
     assert "one scale and zero point per row" in record["quantization"]["activations"]
