@@ -40,6 +40,9 @@ from tests.export_helpers import _cli, default_int8
 from tests.runtime_helpers import MAX_SEQ_LEN, _batches
 from tests.score_helpers import _read, _texts, _write
 
+# one worker for both int8 modules under xdist, so that they read one default int8 export (export_helpers.default_int8)
+pytestmark = pytest.mark.xdist_group("int8_default")
+
 LAYERS = 3
 # per layer: the attention output, both feed-forward GEMMs and the adapters' stacked down-projection, each with per-row
 # activations (rowwise.py; the adapters' per tensor before issue 38); the fusion matrices of this 7-task graph are

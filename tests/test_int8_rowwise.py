@@ -27,6 +27,9 @@ from tests.adapterhub_models import TASKS
 from tests.export_helpers import _cli, default_int8
 from tests.runtime_helpers import MAX_SEQ_LEN
 
+# one worker for both int8 modules under xdist, so that they read one default int8 export (export_helpers.default_int8)
+pytestmark = pytest.mark.xdist_group("int8_default")
+
 K, N = 48, 20
 LAYERS = 3
 
