@@ -57,7 +57,9 @@ def test_the_revision_follower_survives_os_errors_and_counts_them(monkeypatch):
     handler.emit = lambda record: said.append(record.getMessage())  # the replica's log (Serve's, which does not propagate)
     log.addHandler(handler)
 
-    monkeypatch.setattr(app, "_REVISION_POLL_S", 0.01)
+    # the globals the method reads: Serve's ingress decorator rebuilt the class from a pickled copy, whose functions
+    # read a copy of the module's globals, so a setattr on the module left the poll at 0.25 s (2.5 s after a failure)
+    monkeypatch.setitem(app.FusionServe._follow_revisions.__globals__, "_REVISION_POLL_S", 0.01)
     runner = _Runner([OSError(errno.EIO, "Input/output error"), OSError(errno.ESTALE, "Stale file handle"), True])
     replica = SimpleNamespace(runner=runner, stats=Metrics())
 
