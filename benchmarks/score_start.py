@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.serve_start import _Sampler
+from benchmarks.serve_start import _Sampler, parse_variants
 
 
 def run(artifact: Path, data: Path, task: str, out: Path, extra: dict[str, str]) -> dict:
@@ -45,10 +45,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE,...")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    variants = {}
-    for v in args.variant or ["base="]:
-        name, _, pairs = v.partition("=")
-        variants[name] = dict(p.split("=", 1) for p in pairs.split(",") if p)
+    variants = parse_variants(args.variant)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):

@@ -155,6 +155,16 @@ def launch(
     }
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``--variant`` values (``NAME=VAR=VALUE,...``) as name -> the environment variables it sets; none given: one
+    variant, ``base``, the environment as it is."""
+    variants = {}
+    for v in specs or ["base="]:
+        name, _, pairs = v.partition("=")
+        variants[name] = dict(p.split("=", 1) for p in pairs.split(",") if p)
+    return variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
@@ -165,10 +175,7 @@ def main() -> None:
     parser.add_argument("--signal", default="TERM", choices=["TERM", "INT"])
     args = parser.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": ""}
-    variants = {}
-    for v in args.variant or ["base="]:
-        name, _, pairs = v.partition("=")
-        variants[name] = dict(p.split("=", 1) for p in pairs.split(",") if p)
+    variants = parse_variants(args.variant)
     sig = signal.Signals[f"SIG{args.signal}"]
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as logs:
