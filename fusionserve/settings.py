@@ -48,6 +48,11 @@ FULL_RAY_ENV = "FUSIONSERVE_FULL_RAY"
 HANDOFF_ENV = "FUSIONSERVE_SERVER_HANDOFF"  # internal: what the supervisor hands the server process it starts
 
 
+def full_ray() -> bool:
+    """``$FUSIONSERVE_FULL_RAY`` set to 1 (or true, yes): a local Ray starts with every process ``ray.init`` starts."""
+    return os.environ.get(FULL_RAY_ENV, "").strip() in ("1", "true", "yes")
+
+
 def cache_root() -> Path:
     """``$FUSIONSERVE_CACHE`` if set (``~`` expanded), else ``~/.cache/fusionserve``."""
     root = os.environ.get(CACHE_ENV)

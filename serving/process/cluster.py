@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from fusionserve.errors import FusionServeError
-from fusionserve.settings import FULL_RAY_ENV
+from fusionserve.settings import full_ray
 
 from ..private import WORKER_NICENESS, lean_head
 
@@ -41,7 +41,7 @@ def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[s
         for name, value in WORKER_NICENESS.items():
             os.environ.setdefault(name, value)
     # a local Ray without the head's processes that nothing here uses (serving/private.py: lean_head)
-    lean = target is None and os.environ.get(FULL_RAY_ENV, "").strip() not in ("1", "true", "yes")
+    lean = target is None and not full_ray()
     try:
         level = logging.ERROR if quiet else logging.INFO
         with lean_head() if lean else contextlib.nullcontext():
