@@ -12,6 +12,8 @@ pre-encoded batch, i.e. host-to-device copy of the inputs, the graph, device-to-
 
 - ``plain fp32`` / ``plain fp16``: backbone + head only, exported by fusionserve, CUDA, IO binding
 - ``fusion N=8 fp32`` / ``fusion N=8 fp16``: the fusion graph, CUDA, IO binding
+- ``fusion N=8 fp32, TF32``: the fp32 graph with the CUDA provider's TF32 matrix products on (ONNX Runtime's default;
+  fusionserve serves fp32 with them off, ``runtime.make_session``): what exact fp32 costs
 - ``fusion N=8 fp16, session.run``: the same without IO binding, to show what the binding gives
 
 Target: fusion N=8 fp16 at batch 1 under 2 ms. Writes benchmarks/results/gpu.json, gpu.png and the table in
@@ -123,6 +125,7 @@ def run(workdir: Path, batches: list[int], seq: int, rounds_scale: float) -> dic
         "plain fp32": OnnxRunner(arts["plain", "fp32"], device="cuda"),
         "plain fp16": OnnxRunner(arts["plain", "fp16"], device="cuda"),
         f"fusion N={N_ADAPTERS} fp32": OnnxRunner(arts["fusion", "fp32"], device="cuda"),
+        f"fusion N={N_ADAPTERS} fp32, TF32": OnnxRunner(arts["fusion", "fp32"], device="cuda", tf32=True),
         f"fusion N={N_ADAPTERS} fp16": OnnxRunner(arts["fusion", "fp16"], device="cuda"),
         f"fusion N={N_ADAPTERS} fp16, session.run": OnnxRunner(arts["fusion", "fp16"], device="cuda", io_binding=False),
     }
@@ -161,6 +164,7 @@ def markdown(res: dict, command: str, gpu: str, machine: dict[str, str]) -> str:
         f"fusion N={n} / plain, fp32": (f"fusion N={n} fp32", "plain fp32"),
         f"fusion N={n} / plain, fp16": (f"fusion N={n} fp16", "plain fp16"),
         f"fusion N={n}: fp32 / fp16": (f"fusion N={n} fp32", f"fusion N={n} fp16"),
+        f"fusion N={n} fp32: TF32 off (served) / on": (f"fusion N={n} fp32", f"fusion N={n} fp32, TF32"),
         f"fusion N={n} fp16: session.run / IO binding": (f"fusion N={n} fp16, session.run", f"fusion N={n} fp16"),
     }
     lines += ["", "| ratio | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]

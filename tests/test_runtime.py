@@ -224,6 +224,32 @@ def test_cuda_provider_that_does_not_start_is_an_error(artifacts, monkeypatch):
     assert (runner.device, runner.io_binding, runner.bucket_lengths) == ("cpu", False, ())
 
 
+def test_cuda_sessions_keep_fp32_products_in_fp32_unless_tf32_is_asked(artifacts, monkeypatch):
+    """ONNX Runtime's CUDA provider runs fp32 matrix products in TF32 unless told not to: on an H100 that moved the
+    test model's logits by 1.0e-3 from the CPU's (test_gpu.py's fp32 check failed on it). Every CUDA session gets
+    use_tf32 from ``tf32``, off unless asked."""
+    seen = []
+
+    class Recording(ort.InferenceSession):  # the CPU build ignores the CUDA entry, so the session itself still opens
+        def __init__(self, path, opts=None, providers=None, **kw):
+            seen.append(providers)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                super().__init__(path, opts, providers=providers, **kw)
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: WITH_CUDA)
+    monkeypatch.setattr(ort, "InferenceSession", Recording)
+    OnnxRunner(artifacts.fp32, device="auto")
+    OnnxRunner(artifacts.fp32, device="auto", tf32=True)
+    OnnxRunner(artifacts.fp32, device="cpu", tf32=True)
+    cuda = "CUDAExecutionProvider"
+    assert seen == [
+        [(cuda, {"use_tf32": "0"}), "CPUExecutionProvider"],
+        [(cuda, {"use_tf32": "1"}), "CPUExecutionProvider"],
+        ["CPUExecutionProvider"],
+    ]
+
+
 def test_placement_of_replicas(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: CPU_ONLY)
     assert placement("auto", 4, 2) == ("cpu", 0.0)  # no CUDA provider: CPU whatever Ray sees

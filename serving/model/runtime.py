@@ -70,22 +70,33 @@ def resolve_device(device: str = "auto") -> str:
     return "cpu"
 
 
+def providers(device: str, tf32: bool = False) -> list[Any]:
+    """ONNX Runtime's provider list for a resolved ``device`` ('cuda' or 'cpu'): CUDA with its options, then CPU."""
+    if device != "cuda":
+        return [CPU]
+    return [(CUDA, {"use_tf32": "1" if tf32 else "0"}), CPU]
+
+
 def make_session(
     path: Path,
     threads: int | None = None,
     spin: bool = True,
     device: str = "auto",
     optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    tf32: bool = False,
 ) -> ort.InferenceSession:
     """An InferenceSession with all graph optimizations (``optimization``: another level, for benchmarks/cpu_options.py;
     no level was clearly faster on the exported graph, which the exporter already optimized); ``threads`` sets
     intra-op threads (default: the CPUs this process may use). ``spin=False`` stops idle worker threads from busy-waiting for the next run: right for
     a server whose other processes (HTTP proxy, ingress) need the same cores between runs. ``device``: auto |
-    cpu | cuda (see ``resolve_device``); with CUDA, CPU stays last for the operators CUDA lacks.
+    cpu | cuda (see ``resolve_device``); with CUDA, CPU stays last for the operators CUDA lacks. ``tf32``: let the
+    CUDA provider run fp32 matrix products in TF32 (10-bit mantissas; ONNX Runtime's own default is on). Off here: an
+    fp32 artifact answers as fp32 does on CPU (on an H100, TF32 moved the test model's logits by 1.0e-3, past the
+    GPU tests' 1e-3), and fp16 is the fast precision on a GPU (benchmarks/RESULTS.md, "GPU latency").
 
     Raises FusionServeError when the file is not a loadable model, DeviceError when ``device`` is unknown or is
     'cuda' and the CUDA provider is missing or does not start (ONNX Runtime itself would fall back to CPU)."""
-    chosen = [CUDA, CPU] if resolve_device(device) == "cuda" else [CPU]
+    chosen = providers(resolve_device(device), tf32)
     opts = ort.SessionOptions()
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -111,11 +122,13 @@ def make_session(
     return session
 
 
-def open_session(artifact: Artifact, threads: int | None = None, spin: bool = True, device: str = "auto") -> Any:
+def open_session(
+    artifact: Artifact, threads: int | None = None, spin: bool = True, device: str = "auto", tf32: bool = False
+) -> Any:
     """ONNX Runtime's session for ``artifact`` (``make_session``), or OpenVINO's for a bf16 one (``bf16_session``)."""
     if artifact.manifest.get("precision") == "bf16":
         return bf16_session(artifact.model_path, threads, device)
-    return make_session(artifact.model_path, threads, spin, device)
+    return make_session(artifact.model_path, threads, spin, device, tf32=tf32)
 
 
 @dataclass(frozen=True)
@@ -147,7 +160,7 @@ class OnnxRunner:
     ``device``: auto | cpu | cuda (see ``make_session``). ``io_binding``: run through
     IO binding with reused buffers; None means on for CUDA, off for CPU (where it works too). ``seq_buckets``:
     pad each batch to the next bucket length — an int N for multiples of N (0: off) or a list of lengths, capped
-    at the artifact's token limit; None means 16 on CUDA, off on CPU.
+    at the artifact's token limit; None means 16 on CUDA, off on CPU. ``tf32``: see ``make_session`` (off).
 
     Raises ArtifactError / FusionServeError for an unusable artifact, DeviceError for an unusable device, and
     FusionServeError for bad ``seq_buckets``."""
@@ -161,9 +174,10 @@ class OnnxRunner:
         device: str = "auto",
         io_binding: bool | None = None,
         seq_buckets: int | Sequence[int] | None = None,
+        tf32: bool = False,
     ) -> None:
         first = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-        self.session = open_session(first, threads, spin, device)
+        self.session = open_session(first, threads, spin, device, tf32)
         self._tables = TaskTables(first.folder, table_specs(self.session))
         self.served = Served(first, self._tables.load(first))
         self._stamp = revisions.pointer_stamp(first.folder)
