@@ -147,13 +147,21 @@ class AppArgs(BaseModel):
         return Limits(self.max_inputs, self.max_body_bytes, self.body_timeout_s)
 
 
-def placement(device: str, gpus: float | None, replicas: int) -> tuple[str, float]:
+BF16_ON_CUDA = "a bf16 artifact runs on the CPU (OpenVINO): use --device cpu or auto, or an fp32 or fp16 export for CUDA"
+
+
+def placement(device: str, gpus: float | None, replicas: int, cpu_only: bool = False) -> tuple[str, float]:
     """(device each replica runs on, GPUs each reserves) for ``device`` when Ray sees ``gpus`` GPUs (None: not known
     yet, as under `serve run` before it joins Ray: then cuda reserves one GPU per replica and auto means CPU). CUDA
     replicas spread over the GPUs and share one when there are more replicas than GPUs (Ray gives each replica its
-    GPU through CUDA_VISIBLE_DEVICES). auto falls back to CPU when the CUDA provider or a GPU is missing.
+    GPU through CUDA_VISIBLE_DEVICES). auto falls back to CPU when the CUDA provider or a GPU is missing, and always
+    for ``cpu_only`` (a bf16 artifact: OpenVINO's CPU plugin runs it, whatever GPU the machine has).
 
-    Raises DeviceError for 'cuda' without the CUDA provider or without a GPU Ray can see."""
+    Raises DeviceError for 'cuda' without the CUDA provider, without a GPU Ray can see, or with ``cpu_only``."""
+    if cpu_only:
+        if device == "cuda":
+            raise DeviceError(f"--device cuda: {BF16_ON_CUDA}")
+        return "cpu", 0.0
     if resolve_device(device) == "cpu":
         return "cpu", 0.0
     if gpus is None:
@@ -175,15 +183,27 @@ def _cluster_gpus() -> float | None:
     return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else None
 
 
-def check_artifact(args: AppArgs) -> None:
+def check_artifact(args: AppArgs) -> str | None:
     """Where the builder can read the artifact, fail here with the file's name rather than in every replica; where it
-    cannot (a path only the cluster's nodes have, a runtime env's copy), the replicas check it when they start."""
+    cannot (a path only the cluster's nodes have, a runtime env's copy), the replicas check it when they start.
+    Returns the artifact's precision, None where it cannot be read here."""
     folder = Path(args.artifact)
     if not (folder / MANIFEST).is_file():
-        return
+        return None
     artifact = load_artifact(folder)
     check_default_task(artifact, args.default_task)
     args.batch_limits().check_fits(artifact.max_seq_len)
+    return str(artifact.manifest["precision"])
+
+
+def replica_placement(args: AppArgs) -> tuple[str, float]:
+    """(device, GPUs each replica reserves) for ``args``, after ``check_artifact``: a bf16 artifact on the CPU."""
+    cpu_only = check_artifact(args) == "bf16"
+    if args.gpus_per_replica is not None and resolve_device(args.device) == "cuda" and not cpu_only:
+        # fixed, as a cluster whose GPU nodes join later (an autoscaling KubeRay group) needs: Ray holds a replica
+        # until a node with a free GPU is there
+        return "cuda", args.gpus_per_replica
+    return placement(args.device, _cluster_gpus(), args.most_replicas, cpu_only)
 
 
 def app_builder(args: AppArgs) -> Any:
@@ -193,13 +213,7 @@ def app_builder(args: AppArgs) -> Any:
 
     from .api.app import FusionServe
 
-    check_artifact(args)
-    if args.gpus_per_replica is not None and resolve_device(args.device) == "cuda":
-        # fixed, as a cluster whose GPU nodes join later (an autoscaling KubeRay group) needs: Ray holds a replica
-        # until a node with a free GPU is there
-        device, gpus = "cuda", args.gpus_per_replica
-    else:
-        device, gpus = placement(args.device, _cluster_gpus(), args.most_replicas)
+    device, gpus = replica_placement(args)
     metrics_dir = args.metrics_dir or str(Path(tempfile.gettempdir()) / f"fusionserve-metrics-{uuid.uuid4().hex[:12]}")
     options: dict[str, Any] = {
         "num_cpus": args.threads_per_replica,

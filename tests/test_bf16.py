@@ -230,3 +230,28 @@ def test_calibrate_on_a_bf16_artifact_then_prune_to_bf16(arts, built_st, stats, 
     assert manifest["precision"] == "bf16" and "pruning" in manifest and manifest["bf16"]["gate"]["max_logit_change"] > 0
     logits, _ = OnnxRunner(out, threads=1, device="cpu").logits("rte", [TextInput(t) for t in SENTENCES[:3]])
     assert logits.shape == (3, 3) and np.isfinite(logits).all()
+
+
+def test_serve_places_a_bf16_artifact_on_the_cpu_on_a_machine_with_a_gpu(arts, monkeypatch):
+    """Seen on an H100 machine: under the default --device auto, `serve` placed every replica of a bf16 artifact on
+    CUDA (the GPU build of onnxruntime, a GPU Ray sees), and each replica refused it. A bf16 artifact runs on the CPU
+    whatever GPU is there; --device cuda is refused before Ray starts, in one line."""
+    import onnxruntime as ort
+
+    from fusionserve.serving import builder
+    from fusionserve.serving.builder import AppArgs, replica_placement
+    from fusionserve.serving.model.runtime import DeviceError
+    from fusionserve.serving.process.server import ServerConfig, check_before_ray
+
+    fp32, bf16 = arts
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(builder, "_cluster_gpus", lambda: 1.0)
+    assert replica_placement(AppArgs(artifact=str(fp32))) == ("cuda", 1.0)  # fp32 goes to the GPU, as before
+    assert replica_placement(AppArgs(artifact=str(bf16))) == ("cpu", 0.0)
+    assert replica_placement(AppArgs(artifact=str(bf16), gpus_per_replica=1)) == ("cpu", 0.0)
+    for call in (
+        lambda: replica_placement(AppArgs(artifact=str(bf16), device="cuda")),
+        lambda: check_before_ray(ServerConfig(bf16, device="cuda"), session=False),
+    ):
+        with pytest.raises(DeviceError, match=r"--device cuda: .*a bf16 artifact runs on the CPU"):
+            call()
