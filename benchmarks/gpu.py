@@ -169,6 +169,8 @@ def markdown(res: dict, command: str, gpu: str, machine: dict[str, str]) -> str:
     }
     lines += ["", "| ratio | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
     for label, (a, b) in ratios.items():
+        if not {a, b} <= res["batches"][batches[0]].keys():  # a run from before that variant was timed
+            continue
         cells = [f"{res['batches'][x][a]['median_ms'] / res['batches'][x][b]['median_ms']:.2f}x" for x in batches]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if "1" in res["batches"]:

@@ -66,15 +66,18 @@ def load_texts(name: str, limit: int = 2000) -> list[str]:
         return FALLBACK_TEXTS
 
 
-def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[int], seconds: float, spin: bool = True) -> dict:
-    """Texts per second through OnnxRunner (tokenize + ONNX Runtime, every core), and the median time of a batch.
+def in_process(
+    artifact: Path, task: str, texts: list[str], batch_sizes: list[int], seconds: float, spin: bool = True, device: str = "cpu"
+) -> dict:
+    """Texts per second through OnnxRunner on ``device`` (tokenize + ONNX Runtime, every core), and the median time of
+    a batch.
     ``spin``: idle ONNX Runtime threads busy-wait for the next run (the fastest a lone process gets); the server
     runs its session without spinning (its HTTP side needs the cores between runs), so ``spin=False`` is the model
     as served."""
     from fusionserve.serving.model.predictions import TextInput
     from fusionserve.serving.model.runtime import OnnxRunner
 
-    runner = OnnxRunner(artifact, device="cpu", spin=spin)
+    runner = OnnxRunner(artifact, device=device, spin=spin)
     out = {}
     for b in batch_sizes:
         times, i = [], 0
@@ -91,14 +94,14 @@ def in_process(artifact: Path, task: str, texts: list[str], batch_sizes: list[in
     return out
 
 
-def server_cost(port: int, artifact: Path, task: str, texts: list[str], rounds: int, seconds: float) -> dict:
+def server_cost(port: int, artifact: Path, task: str, texts: list[str], rounds: int, seconds: float, device: str = "cpu") -> dict:
     """``rounds`` x (the model in this process as the server runs it, batch 1 without spinning threads; then one HTTP
     client against the idle server, the same texts; ``seconds`` each, the order alternating per round): the median over
     rounds of HTTP p50 - in-process p50 is what the server itself adds to one request."""
     from fusionserve.serving.model.predictions import TextInput
     from fusionserve.serving.model.runtime import OnnxRunner
 
-    runner = OnnxRunner(artifact, device="cpu", spin=False)
+    runner = OnnxRunner(artifact, device=device, spin=False)
     body = servers.body_maker(task, texts)
 
     def model_p50() -> float:
@@ -154,7 +157,9 @@ def run_ingress(args: argparse.Namespace, ingress: str, task: str, texts: list[s
             )
             print(f"  {ingress}, gRPC vs HTTP at 1 client: {out['grpc_vs_http']}", file=sys.stderr)
         if args.cost_rounds:
-            out["server_cost"] = server_cost(server.port, args.artifact, task, texts, args.cost_rounds, args.cost_seconds)
+            out["server_cost"] = server_cost(
+                server.port, args.artifact, task, texts, args.cost_rounds, args.cost_seconds, args.device
+            )
             print(f"  {ingress}, the server's own cost at 1 client: {out['server_cost']}", file=sys.stderr)
         ports = servers.replica_ports(server.proc.pid) if ingress.startswith("haproxy") else []
         if ports:
@@ -287,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.burst_floor:
         result["refusal_floor"] = refusal_floor(args, task, texts, logs)
         print(f"load: the burst against a replica refusing nearly all: {result['refusal_floor']}", file=sys.stderr)
-    result["in_process"] = in_process(args.artifact, task, texts, [1, 4, 8, 16, 32], min(args.seconds, 10))
-    result["in_process_served"] = in_process(args.artifact, task, texts, [1, 8], min(args.seconds, 10), spin=False)
+    # on the device the server runs on (the CUDA comparison on an H100 first compared against the CPU in-process)
+    result["in_process"] = in_process(args.artifact, task, texts, [1, 4, 8, 16, 32], min(args.seconds, 10), device=args.device)
+    result["in_process_served"] = in_process(
+        args.artifact, task, texts, [1, 8], min(args.seconds, 10), spin=False, device=args.device
+    )
     print(f"load: in-process {result['in_process']}; as served (no spinning) {result['in_process_served']}", file=sys.stderr)
     if args.soak:
         result["soak"] = soak(args, task, texts, logs)

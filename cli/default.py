@@ -55,9 +55,9 @@ def choose_precision(device: str = "auto") -> tuple[str, str]:
     """(precision, why) the default model is served in on ``device`` (auto | cpu | cuda): the fastest that passes its
     gate on the CPU at hand (docs/guides/int8.md, "Which precision where"):
 
-    - bf16 (OpenVINO) on a CPU with AMX bf16 tiles (``amx_bf16``) and OpenVINO installed: 2.7x ONNX Runtime's fp32 and
-      1.8x its int8 at batch 16 x 128 tokens as issue 38 measured it on such a Xeon (not measured here: this
-      machine's hypervisor hides AMX); with AVX-512 BF16 alone (no AMX), unmeasured, so today's choice below stays;
+    - bf16 (OpenVINO) on a CPU with AMX bf16 tiles (``amx_bf16``) and OpenVINO installed: 2.77x ONNX Runtime's fp32
+      and 2.03x its int8 at batch 16 x 128 on 2 cores of such a Xeon (benchmarks/RESULTS.md, "bf16 and int8 on a CPU
+      with AMX"); with AVX-512 BF16 alone (no AMX), unmeasured, so today's choice below stays;
     - int8 (ONNX Runtime) on a CPU with VNNI or AMX int8 (every GEMM int8 keeps >= 99% of fp32's labels on both
       targets' test splits, accuracy within 0.5 points);
     - fp32 on CUDA and on a CPU without them (ONNX Runtime's uint8 x int8 kernel for AVX2 adds pairs of products in
