@@ -298,13 +298,17 @@ def oip_server(shared_servers, artifact, otlp_receiver) -> Served:
 
 @pytest.fixture
 def local_ray() -> None:
-    """A local Ray in this process (2 CPUs, no dashboard) for `score --ray`: started by the first test that asks for it
+    """A local Ray in this process (2 CPUs, no dashboard) for `score --ray`, the lean head that `score --ray` starts
+    itself (serving/private.py ``lean_head``: no autoscaler or log monitor): started by the first test that asks for it
     and ended after the last of those in a row (``pytest_runtest_teardown``), so that test_score_ray and
     test_heads_files, one group (``xdist_group("local_ray")``), start it once."""
     import ray
 
+    from fusionserve.serving.private import lean_head
+
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        with lean_head():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.hookimpl(wrapper=True)

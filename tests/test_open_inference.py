@@ -33,6 +33,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = {"authorization": f"Bearer {KEY}"}
 MAX_BODY = OIP_MAX_BODY
 TEXTS = [SENTENCES[0], SENTENCES[2], SENTENCES[4]]
+# a whole batch (OIP_MAX_BATCH) of texts, and of pairs: SENTENCES (5) and PAIRS (3); PAIRS and each sentence paired
+# with the next
+FULL_TEXTS = SENTENCES + [p[0] for p in PAIRS]
+FULL_PAIRS = PAIRS + list(zip(SENTENCES, SENTENCES[1:] + SENTENCES[:1], strict=True))
 
 
 @pytest.fixture
@@ -116,9 +120,12 @@ def test_server_and_model_routes_answer_tritonclient(server, triton, labels, cli
     ("client", "binary"), [("http", True), ("http", False), ("grpc", True), ("http_aio", True), ("grpc_aio", True)]
 )
 def test_tritonclient_classifies_every_task_as_v1_classify_does(server, triton, labels, client, binary):
+    # each request is one whole batch (OIP_MAX_BATCH inputs): the model runs it at once and alone, so the two routes'
+    # scores are compared bit for bit, without waiting out the batch wait (300 ms) 2 x 3 times per task
+    assert len(FULL_TEXTS) == len(FULL_PAIRS) == OIP_MAX_BATCH
     for task, names in labels.items():
-        for rank, pairs in ((2, None), (1, None), (2, [p[1] for p in PAIRS])):
-            texts = [p[0] for p in PAIRS] if pairs else TEXTS
+        for rank, pairs in ((2, None), (1, None), (2, [p[1] for p in FULL_PAIRS])):
+            texts = [p[0] for p in FULL_PAIRS] if pairs else FULL_TEXTS
             got = _infer(triton, server, client, task, texts, pairs=pairs, rank=rank, binary=binary,
                          outputs=[{"name": "label", "binary": binary}, {"name": "scores", "binary": binary}])  # fmt: skip
             assert "error" not in got, got

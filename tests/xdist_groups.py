@@ -1,7 +1,8 @@
-"""Whole groups per pytest-xdist worker (``pytest -n 2``): each test module runs whole on one worker, in its order, so
-its module fixtures (a server, a Ray cluster) start once; the tests on the shared server (conftest's
-``shared_server``) run as one group, and so do the modules of one ``xdist_group`` mark (several modules on one of
-conftest's shared servers, or on its ``local_ray``), ``stops_shared_server`` last, so that each starts once in the run.
+"""Whole groups per pytest-xdist worker (``pytest -n N``; CI runs ``-n 3``): each test module runs whole on one
+worker, in its order, so its module fixtures (a server, a Ray cluster) start once; the tests on the shared server
+(conftest's ``shared_server``) run as one group, and so do the modules of one ``xdist_group`` mark (several modules on
+one of conftest's shared servers, or on its ``local_ray``), ``stops_shared_server`` last, so that each starts once in
+the run.
 
 xdist's own ``--dist loadgroup`` would do this from ``xdist_group`` marks, but it renames the tests' node ids to carry
 the group, which pytest 9.2 no longer lets a plugin do (pytest-xdist 3.8 sets an attribute pytest stopped reading:
