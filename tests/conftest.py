@@ -289,7 +289,7 @@ def otlp_receiver() -> Iterator[Receiver]:
 def oip_server(shared_servers, artifact, otlp_receiver) -> Served:
     """`fusionserve serve` of ``artifact`` with the key from FUSIONSERVE_API_KEY, gRPC, JSON logs, small limits
     (serving_helpers.OIP_ARGS), every request traced to ``otlp_receiver`` within 100 ms, torch unimportable:
-    test_open_inference and test_tracing_server, one group (``xdist_group("oip_server")``)."""
+    test_open_inference, test_openapi_description and test_tracing_server, one group (``xdist_group("oip_server")``)."""
     otel = {k: None for k in shared_servers.env if k.startswith("OTEL_")}  # the session's: the same at every call
     env = otel | {"FUSIONSERVE_API_KEY": OIP_KEY, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     args = (*OIP_ARGS, "--otlp-endpoint", otlp_receiver.endpoint)

@@ -177,9 +177,10 @@ KEYED_ARGS = ("--api-key", f"{KEY}, {OTHER_KEY}", "--default-task", "rte", "--th
               "--max-batch-size", str(KEYED_MAX_BATCH), "--batch-wait-ms", "1000", "--max-ongoing", "4",
               "--max-queued", "4")  # fmt: skip
 
-# conftest.oip_server, for test_open_inference and test_tracing_server: the key from FUSIONSERVE_API_KEY, gRPC,
-# --log-format json, small limits, a 300 ms batch wait with batches of 8 (a lone request waits that long for
-# company: deadlines and mixed batches testable on any machine), and every request traced to conftest.otlp_receiver.
+# conftest.oip_server, for test_open_inference, test_openapi_description and test_tracing_server: the key from
+# FUSIONSERVE_API_KEY, gRPC, --log-format json, small limits, a 300 ms batch wait with batches of 8 (a lone request
+# waits that long for company: deadlines and mixed batches testable on any machine), and every request traced to
+# conftest.otlp_receiver.
 OIP_KEY = "k-" + os.urandom(10).hex()
 OIP_MAX_INPUTS, OIP_MAX_BODY, OIP_MAX_BATCH = 8, 8192, 8
 OIP_ARGS = ("--threads", "1", "--max-inputs", str(OIP_MAX_INPUTS), "--max-body-bytes", str(OIP_MAX_BODY),

@@ -1,23 +1,18 @@
 """End to end: the Open Inference Protocol (KServe v2, REST and gRPC) on a real `fusionserve serve` (Ray Serve, ONNX
 Runtime, HAProxy) on 127.0.0.1, spoken to by Triton's own client (tritonclient 2.73 in an environment of its own:
-tests/triton_env.py) and by raw requests for what no client sends (its traces: tests/test_tracing_server.py). The server
-is conftest's ``oip_server``, shared with test_tracing_server (one group): an API key, gRPC, --log-format json, small
-limits (8 inputs, 8 KB bodies, batches of 8) and a 300 ms batch wait (a lone request waits that long for company, which
-makes deadlines and mixed batches testable on any machine).
+tests/triton_env.py) and by raw requests for what no client sends (its traces: tests/test_tracing_server.py; its
+OpenAPI description: tests/test_openapi_description.py). The server is conftest's ``oip_server``, shared with those two
+(one group): an API key, gRPC, --log-format json, small limits (8 inputs, 8 KB bodies, batches of 8) and a 300 ms batch
+wait (a lone request waits that long for company, which makes deadlines and mixed batches testable on any machine).
 """
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from fusionserve.serving.api import grpc_predict_v2_pb2 as v2
 from fusionserve.serving.api import grpc_predict_v2_pb2_grpc as v2_grpc
@@ -319,87 +314,3 @@ def test_a_request_still_queued_at_its_deadline_is_dropped(server, triton):
     time.sleep(1.0)
     got = _infer(triton, server, "grpc", "rte", TEXTS[:1], client_timeout=0.1)  # the call's own deadline
     assert got["status"] == "StatusCode.DEADLINE_EXCEEDED", got
-
-
-# --- the OpenAPI description, as generators and fuzzers read it ------------------------------------------------------
-
-
-@pytest.fixture
-def described(server) -> dict:
-    with urllib.request.urlopen(server.url + "/openapi.json", timeout=30) as resp:  # open, like the docs
-        return json.loads(resp.read())
-
-
-def _refs(node):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key == "$ref":
-                yield value
-            else:
-                yield from _refs(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from _refs(value)
-
-
-def test_every_ref_resolves_and_only_served_routes_are_described(described):
-    refs = set(_refs(described))
-    assert refs and all(r.startswith("#/components/schemas/") for r in refs), sorted(refs)
-    assert {r.rsplit("/", 1)[1] for r in refs} <= set(described["components"]["schemas"])
-    assert "PairInput" in described["components"]["schemas"]  # the pair input of /v1/classify, lost before
-    assert "/predict" not in described["paths"] and "/" not in described["paths"]  # no --default-task: 404 there
-    metrics = described["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
-    assert list(metrics) == [CONTENT_TYPE_LATEST]  # Prometheus text, as it answers
-    for path, ops in described["paths"].items():
-        for method, op in ops.items():
-            for status, response in op["responses"].items():
-                if status[0] in "45":
-                    assert list(response.get("content", {})) == ["application/json"], (path, method, status)
-
-
-def _fill(path: str) -> str:
-    return path.replace("{model}", "rte").replace("{version}", "1")
-
-
-def test_a_method_a_route_does_not_take_is_405_with_its_allow_header(server, described):
-    checked = 0
-    for path, ops in described["paths"].items():
-        allowed = {m.upper() for m in ops}
-        for method in ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "QUERY"):
-            if method in allowed:
-                continue
-            status, headers, body = request(server.port, method, _fill(path), b"{}" if method != "GET" else None, AUTH)
-            assert status == 405, (method, path, status, body)
-            assert {m.strip() for m in headers["allow"].split(",")} == allowed, (method, path, headers)
-            checked += 1
-    assert checked > 50
-    status, _, body = request(server.port, "FOO", "/healthz")  # a method HTTP does not define: HAProxy's 501
-    assert status == 501 and json.loads(body)["error"]["type"] == "not_implemented"
-
-
-SCHEMATHESIS_CONFIG = """
-[checks.negative_data_rejection]  # 413 is how a body over the limit is refused; a 5xx never counts
-expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
-
-[parameters]  # a served model at the version served: the routes behind a model name get real requests too
-"path.model" = "rte"
-"path.version" = "1"
-"""
-
-
-def test_the_api_holds_to_its_description_under_schemathesis(server, tmp_path):
-    """Every operation, generated requests (examples, boundaries, fuzzing, undeclared methods, sequences): no server
-    error, every status, content type, header and body as described, schema-violating requests refused. Not checked:
-    that every schema-valid request is accepted (positive_data_acceptance): what one request may hold depends on
-    fields together (a shape and its data, the number of inputs and the server's --max-inputs), which a schema
-    cannot say."""
-    config = tmp_path / "schemathesis.toml"
-    config.write_text(SCHEMATHESIS_CONFIG)
-    st = Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" / "schemathesis"
-    st = st if st.exists() else Path(sys.executable).parent / "schemathesis"
-    cmd = [str(st), "--config-file", str(config), "run", server.url + "/openapi.json", "-H", f"Authorization: Bearer {KEY}", "--checks", "all",
-           "--exclude-checks", "positive_data_acceptance", "--max-examples", "15", "--seed", "36", "--no-color"]  # fmt: skip
-    # run in tmp_path: schemathesis keeps its cache (.schemathesis/) in the working directory, not in the checkout
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-6000:]
-    assert "passed" in done.stdout and " failed" not in done.stdout.split("SUMMARY")[-1], done.stdout[-3000:]

@@ -1,9 +1,10 @@
 """End to end: OpenTelemetry traces of a real `fusionserve serve` (Ray Serve, ONNX Runtime, HAProxy) on 127.0.0.1,
 exported to an OTLP/HTTP receiver in this process (tests/oip_helpers.py, conftest's ``otlp_receiver``), over every
 ingress a request can take (/v1/classify, the Open Inference Protocol over HTTP and gRPC), with JSON logs carrying the
-trace id. The traced server is conftest's ``oip_server``, shared with test_open_inference (one group): an API key,
-gRPC, every request traced, --log-format json, and a 300 ms batch wait (a lone request waits that long for company,
-which makes mixed batches testable on any machine). The tracer's spans and export without a server: tests/test_otlp.py.
+trace id. The traced server is conftest's ``oip_server``, shared with test_open_inference and test_openapi_description
+(one group): an API key, gRPC, every request traced, --log-format json, and a 300 ms batch wait (a lone request waits
+that long for company, which makes mixed batches testable on any machine). The tracer's spans and export without a
+server: tests/test_otlp.py.
 """
 
 import http.client
