@@ -93,22 +93,20 @@ def start_fusionserve(
     return Server(ingress, proc, port, log, _wait(proc, port, "/v1/tasks", log))
 
 
-def start_echo(port: int, logs: Path) -> Server:
-    log = logs / "echo.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "benchmarks.echo_app:app",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--no-access-log",
-    ]
+def start_uvicorn(
+    name: str, app: str, port: int, logs: Path, env: dict[str, str] | None = None, timeout_s: float = 240
+) -> Server:
+    """``python -m uvicorn APP`` on ``port`` (``env``: its environment, default this one's), its output in
+    ``logs/NAME.log``, once ``/healthz`` answers 200."""
+    log = logs / f"{name}.log"
+    cmd = [sys.executable, "-m", "uvicorn", app, "--port", str(port), "--log-level", "warning", "--no-access-log"]
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-    return Server("echo", proc, port, log, _wait(proc, port, "/healthz", log))
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    return Server(name, proc, port, log, _wait(proc, port, "/healthz", log, timeout_s))
+
+
+def start_echo(port: int, logs: Path) -> Server:
+    return start_uvicorn("echo", "benchmarks.echo_app:app", port, logs)
 
 
 def tree_rss_mb(pid: int) -> dict[str, float]:

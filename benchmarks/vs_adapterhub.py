@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,16 +31,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from benchmarks import servers
 from benchmarks.httpload import closed_loop
 from benchmarks.report import machine, record
+from fusionserve.serving.process.ports import free_port
 
 HERE = Path(__file__).parent
 N_ADAPTERS = 8
 TARGET_RPS, TARGET_P50 = 10.0, 0.25
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def long_texts(tokenizer, tokens: int, count: int = 200) -> list[str]:
@@ -60,14 +53,10 @@ def long_texts(tokenizer, tokens: int, count: int = 200) -> list[str]:
 
 
 def start_hub(root: Path, base: Path, autocast: str, tokens: int, logs: Path) -> servers.Server:
-    port, log = _port(), logs / "hub.log"
     env = dict(os.environ, HUB_ROOT=str(root), HUB_BASE=str(base), HUB_ADAPTERS=str(N_ADAPTERS), HUB_AUTOCAST=autocast)
     env["HUB_MAX_LENGTH"] = str(tokens)
-    cmd = [sys.executable, "-m", "uvicorn", "benchmarks.hub_app:app", "--port", str(port), "--log-level", "warning",
-           "--no-access-log"]  # fmt: skip
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=servers.ROOT)
-    return servers.Server("adapterhub", proc, port, log, servers._wait(proc, port, "/healthz", log, 600))
+    # the app builds the model before it answers: minutes on a loaded machine
+    return servers.start_uvicorn("adapterhub", "benchmarks.hub_app:app", free_port(), logs, env, timeout_s=600)
 
 
 def markdown(res: dict) -> str:
@@ -158,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                  "clients": args.clients, "seconds": args.seconds, "tokens": args.tokens, "rounds": [],
                  "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="fusionserve-vs-adapterhub-"))
-    ours = servers.start_fusionserve(art, _port(), "haproxy", logs)
+    ours = servers.start_fusionserve(art, free_port(), "haproxy", logs)
     try:
         hub = start_hub(root, base, "bf16" if autocast else "", args.tokens, logs)
         try:
