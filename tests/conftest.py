@@ -28,7 +28,7 @@ from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
-from tests.made_once import made_once, source_digest
+from tests.made_once import export_once, made_once, source_digest
 from tests.oip_helpers import Receiver, start_receiver
 from tests.serving_helpers import (
     KEYED_ARGS,
@@ -121,26 +121,18 @@ def exported(built, tmp_path_factory) -> export_helpers.Exported:
     return export_helpers.Exported(folder.resolve(), manifest)
 
 
-def _export_once(tmp_path_factory: pytest.TempPathFactory, name: str, spec: Path, **options) -> Path:
-    """``export_artifact(spec, FOLDER, **options)`` once per test run, read by every xdist worker whose build of
-    ``spec`` has the same files (tests/made_once.py): FOLDER."""
-    key = "-".join([name, source_digest(spec), *(f"{k}={v}" for k, v in sorted(options.items()))])
-    make = lambda folder: export_artifact(spec, folder / "artifact", progress=False, **options)  # noqa: E731
-    return made_once(tmp_path_factory, key, make) / "artifact"
-
-
 @pytest.fixture(scope="session")
 def artifact(built_st, tmp_path_factory) -> Path:
     """The tiny model exported once per run (fp32, runtime_helpers.MAX_SEQ_LEN tokens) and only read: scoring, the
     runtime and the servers of the end-to-end tests (one export where each serving module made its own copy)."""
-    return _export_once(tmp_path_factory, "artifact", built_st.spec, max_seq_len=runtime_helpers.MAX_SEQ_LEN)
+    return export_once(tmp_path_factory, "artifact", built_st.spec, max_seq_len=runtime_helpers.MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="session")
 def artifacts(artifact, built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
     """The tiny model at each precision (fp32 is ``artifact``), fp16 exported once per run: test_runtime.py and
     test_gpu.py."""
-    fp16 = _export_once(tmp_path_factory, "artifact", built_st.spec, precision="fp16", max_seq_len=runtime_helpers.MAX_SEQ_LEN)
+    fp16 = export_once(tmp_path_factory, "artifact", built_st.spec, precision="fp16", max_seq_len=runtime_helpers.MAX_SEQ_LEN)
     return runtime_helpers.Artifacts(artifact, fp16)
 
 
@@ -236,7 +228,7 @@ def arch_built(request, arch_models) -> BuiltArch:
 def arch_exported(arch_built, tmp_path_factory) -> export_helpers.Exported:
     """Each of those exported once per run (fp32; tests/made_once.py), with the manifest it wrote."""
     key = f"arch-{arch_built.arch}-{arch_built.adapter_config}"
-    folder = _export_once(tmp_path_factory, key, arch_built.spec, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN)
+    folder = export_once(tmp_path_factory, key, arch_built.spec, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN)
     return export_helpers.Exported(folder.resolve(), json.loads((folder / MANIFEST).read_text()))
 
 

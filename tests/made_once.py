@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +71,14 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, key: str, make: Callable
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def export_once(tmp_path_factory: pytest.TempPathFactory, name: str, spec: Path, **options: Any) -> Path:
+    """``export_artifact(spec, FOLDER, **options)`` once per test run, read by every worker whose build of ``spec`` has
+    the same files: FOLDER. Only for artifacts the tests read: a live one (``tasks add``) is written to."""
+    from fusionserve.export.artifact import export_artifact
+
+    assert not options.get("live"), "a live artifact is written to: each test module exports its own"
+    key = "-".join([name, source_digest(spec), *(f"{k}={v}" for k, v in sorted(options.items()))])
+    make = lambda folder: export_artifact(spec, folder / "artifact", progress=False, **options)  # noqa: E731
+    return made_once(tmp_path_factory, key, make) / "artifact"
