@@ -113,7 +113,8 @@ def built_st(tmp_path_factory) -> Built:
 
 @pytest.fixture(scope="session")
 def exported(built, tmp_path_factory) -> export_helpers.Exported:
-    """The tiny model exported once per weight format (fp32, opset 17, 64 tokens): test_export*.py."""
+    """The tiny model exported once per weight format (fp32, opset 17, 64 tokens): test_export*.py and test_cli.py, one
+    xdist group ("exported"): its manifest names this worker's build (made_once would share another worker's)."""
     folder = tmp_path_factory.mktemp("export") / "artifact"
     manifest = export_artifact(
         built.spec, folder, max_seq_len=export_helpers.MAX_SEQ_LEN, opset=export_helpers.OPSET, progress=False
