@@ -191,7 +191,7 @@ class Server:
         say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
         # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
         # job's working_dir to the deployment, and the replicas load the artifact from their working directory
-        connect(quiet=True, runtime_env={"working_dir": str(cfg.artifact)} if cfg.ship_artifact else None)
+        connect(quiet=True, runtime_env={"working_dir": str(cfg.artifact)} if cfg.ship_artifact else None, serving=True)
         after_ray()
         import ray
         from ray import serve
