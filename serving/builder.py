@@ -150,6 +150,13 @@ class AppArgs(BaseModel):
 BF16_ON_CUDA = "a bf16 artifact runs on the CPU (OpenVINO): use --device cpu or auto, or an fp32 or fp16 export for CUDA"
 
 
+def refuse_cuda_for_cpu_only(device: str, what: str = "") -> None:
+    """The one rule for an artifact only the CPU runs (bf16): ``--device cuda`` with it raises DeviceError, naming
+    ``what`` (the artifact's folder) where given; cpu and auto run it on the CPU."""
+    if device == "cuda":
+        raise DeviceError(f"--device cuda: {what + ': ' if what else ''}{BF16_ON_CUDA}")
+
+
 def placement(device: str, gpus: float | None, replicas: int, cpu_only: bool = False) -> tuple[str, float]:
     """(device each replica runs on, GPUs each reserves) for ``device`` when Ray sees ``gpus`` GPUs (None: not known
     yet, as under `serve run` before it joins Ray: then cuda reserves one GPU per replica and auto means CPU). CUDA
@@ -159,8 +166,7 @@ def placement(device: str, gpus: float | None, replicas: int, cpu_only: bool = F
 
     Raises DeviceError for 'cuda' without the CUDA provider, without a GPU Ray can see, or with ``cpu_only``."""
     if cpu_only:
-        if device == "cuda":
-            raise DeviceError(f"--device cuda: {BF16_ON_CUDA}")
+        refuse_cuda_for_cpu_only(device)
         return "cpu", 0.0
     if resolve_device(device) == "cpu":
         return "cpu", 0.0

@@ -13,6 +13,7 @@ which names them from here.
 | ``WORKER_NICENESS`` | Ray reads ``RAY_worker_niceness`` for the workers it starts | replicas run at nice 15, behind anything else on the node |
 | ``SINGLE_MACHINE`` | Ray's node address is 127.0.0.1 with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` | Ray's agents listen on the machine's address (``--host 127.0.0.1`` no longer means loopback only) |
 | ``lean_head`` | ``ray.init`` builds its head node's ``ray._private.parameter.RayParams``, whose ``no_monitor`` and ``include_log_monitor`` ``Node.start_head_processes`` / ``start_ray_processes`` read | each local start (a server, ``score --ray`` without a cluster) starts Ray's autoscaler monitor and log monitor again: two more Python processes, their start-up CPU and memory (benchmarks/RESULTS.md); nothing a server does is lost |
+| ``without_dataframes`` | Ray's workers run the setup hook named in ``__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR`` (``ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR``, where ``runtime_env={'worker_process_setup_hook': ...}`` puts it) before anything else, and inherit it from the raylet's environment; Serve imports pandas inside ``try: ... except ImportError`` (``ray/serve/_private/utils.py``) and Ray imports pyarrow inside ``try: ... except ModuleNotFoundError`` (``ray/_private/arrow_serialization.py``) | each process of a local server (the server, Serve's controller, proxies, HAProxy manager, replicas) imports pandas and pyarrow again, which costs each start CPU and time (benchmarks/RESULTS.md); nothing a server does is lost |
 | ``record_call_deadlines`` | Serve's ``RayServegRPCContext(grpc_context)`` is made per call from the real gRPC context | a gRPC call's own deadline (``grpc-timeout``) no longer drops it from the queue: it waits, and gRPC cancels it at the deadline |
 | ``dead_ray_process`` | ``ray._private.worker._global_node.dead_processes()`` lists the node's processes that died | a server whose raylet or GCS died keeps running half-dead instead of exiting 1 for its supervisor to restart it |
 | ``serve_details`` | ``ray.serve.context._get_global_client()`` and its ``get_serve_details()`` | joining a cluster that runs Serve: no check of its ports or of a fusionserve application already there (the start fails) |
@@ -26,6 +27,7 @@ which names them from here.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +96,26 @@ def lean_head() -> Iterator[None]:
         yield
     finally:
         parameter.RayParams.__init__ = params_init  # type: ignore[method-assign]
+
+
+# --- Ray's and Serve's optional pandas and pyarrow (ray/serve/_private/utils.py, ray/_private/arrow_serialization.py) ---
+SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+WITHOUT_DATAFRAMES = "fusionserve.serving.private.without_dataframes"  # the hook, as Ray imports it
+
+
+def without_dataframes() -> dict[str, str]:
+    """Make ``import pandas`` and ``import pyarrow`` fail (``ModuleNotFoundError``) in this process, unless imported
+    already, and return the environment that does the same in every Ray worker started under it: Ray's workers run
+    the setup hook it names before anything else (what ``runtime_env={"worker_process_setup_hook": ...}`` does, but
+    a runtime_env of the job would keep the workers Ray starts ahead of time from being used for its actors).
+
+    For a server's local Ray: Serve imports pandas only to encode pandas DataFrames as JSON, and Ray imports pyarrow
+    only to register serializers for Ray Data's Arrow blocks, each where the import may fail; nothing a server runs
+    sends either, and each of its processes is spared the imports (a quarter of what importing Ray and Serve costs
+    there). Not for ``score --ray``: Ray Data needs both."""
+    for name in ("pandas", "pyarrow"):
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # None there: the import raises ModuleNotFoundError
+    return {SETUP_HOOK_ENV: WITHOUT_DATAFRAMES}
 
 
 # --- Serve's gRPC context -------------------------------------------------------------------------------------------

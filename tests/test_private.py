@@ -4,6 +4,7 @@ which part. No Ray is started here (the end-to-end tests use each part for real)
 
 import importlib.metadata
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -128,6 +129,76 @@ def test_a_local_start_is_lean_unless_asked_and_ray_is_left_as_it_was(monkeypatc
         assert connect(quiet=True)
     assert seen == [(True, False), (True, False), (False, None)]
     assert parameter.RayParams.__init__ is original
+
+
+def test_a_local_servers_ray_runs_without_pandas_and_pyarrow_and_other_starts_as_before(monkeypatch):
+    """``connect(serving=True)`` starting a local Ray blocks both imports in this process and names
+    ``without_dataframes`` as the workers' setup hook in the environment the raylet inherits; ``score --ray`` (Ray Data
+    needs both), a cluster joined, and FUSIONSERVE_FULL_RAY=1 do neither. Ray is not started: ``ray.init`` here records
+    the hook it would have passed on. Ray's workers read the hook where fusionserve puts it, and can import it."""
+    import ray
+    from ray._private import ray_constants
+    from ray._private.runtime_env.setup_hook import load_class
+
+    from fusionserve.serving.process import cluster
+
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(os.environ.pop(private.SETUP_HOOK_ENV, None)))
+    monkeypatch.setattr(cluster, "_probe", lambda address: None)
+    blocked = lambda: seen.append("blocked here") or {private.SETUP_HOOK_ENV: "hook"}  # noqa: E731
+    monkeypatch.setattr(cluster, "without_dataframes", blocked)  # not this test process's imports
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("FUSIONSERVE_FULL_RAY", "0")
+    monkeypatch.delenv(private.SETUP_HOOK_ENV, raising=False)
+    cluster.connect(quiet=True, serving=True)
+    cluster.connect(quiet=True)
+    cluster.connect("10.1.2.3:6379", quiet=True, serving=True)
+    monkeypatch.setenv("FUSIONSERVE_FULL_RAY", "1")
+    cluster.connect(quiet=True, serving=True)
+    assert seen == ["blocked here", "hook", None, None, None]
+    assert ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR == private.SETUP_HOOK_ENV
+    worker = (Path(ray.__file__).parent / "_private" / "workers" / "default_worker.py").read_text()
+    assert "os.getenv(\n        ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR\n    )" in worker
+    assert load_class(private.WITHOUT_DATAFRAMES) is private.without_dataframes
+
+
+def test_ray_and_serve_import_pandas_and_pyarrow_only_where_the_import_may_fail():
+    """What ``without_dataframes`` relies on, in a fresh interpreter with both made unimportable as it makes them: Serve
+    and its replica, controller and proxies import, and a Ray serialization context (what each worker makes before its
+    first task) is made; neither library is imported. Without the block, both are (so this sees them)."""
+    code = (
+        "import sys;{block}"
+        "import ray, ray.serve, ray.serve._private.replica, ray.serve._private.controller, ray.serve._private.proxy;"
+        "from ray._private.arrow_serialization import _register_custom_datasets_serializers as register;"
+        "register(type('Context', (), {{'__getattr__': lambda self, name: lambda *a, **k: None}})());"
+        "print(sorted(m for m in ('pandas', 'pyarrow') if sys.modules.get(m) is not None))"
+    )
+    block = "from fusionserve.serving.private import without_dataframes; without_dataframes();"
+    for blocked, expected in ((block, "[]"), ("", "['pandas', 'pyarrow']")):
+        done = subprocess.run([sys.executable, "-c", code.format(block=blocked)], capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == expected, (blocked, done.stdout, done.stderr[-2000:])
+
+
+def test_no_process_of_a_running_server_loads_pandas_or_pyarrow(shared_server):
+    """No process of the shared server (the supervisor, the server, Ray's and Serve's: controller, proxy, HAProxy
+    manager, replica) maps a library of pandas or pyarrow: the hook ran in every worker (serving/private.py:
+    without_dataframes). Before it, the server and each of Serve's processes mapped pyarrow's, and pandas'."""
+    from tests.fault_helpers import processes
+
+    def loaded(pid: int) -> list[str]:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # ended meanwhile
+            return []
+        return [name for name in ("pandas", "pyarrow") if f"/{name}/" in maps]
+
+    tree = processes(shared_server.proc.pid)
+    for kind in ("ServeController", "ProxyActor", "HAProxyManager", "ServeReplica"):
+        assert any(f"ray::{kind}" in c for c in tree.values()), (kind, tree)  # there: not a check over nothing
+    assert any("fusionserve.serving.process.supervise" in c for c in tree.values()), tree  # the server process
+    assert {tree[p]: loaded(p) for p in [shared_server.proc.pid, *tree] if loaded(p)} == {}
 
 
 def test_rays_record_of_the_processes_it_started():

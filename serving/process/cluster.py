@@ -13,7 +13,7 @@ from typing import Any
 from fusionserve.errors import FusionServeError
 from fusionserve.settings import full_ray
 
-from ..private import WORKER_NICENESS, lean_head
+from ..private import WORKER_NICENESS, lean_head, without_dataframes
 
 _PROBE_S = 5.0  # an address where nothing answers: Ray itself would retry for minutes
 
@@ -22,11 +22,14 @@ class ClusterError(FusionServeError):
     """Ray did not start, or the cluster could not be joined."""
 
 
-def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[str, Any] | None = None) -> bool:
+def connect(
+    address: str | None = None, quiet: bool = False, runtime_env: dict[str, Any] | None = None, serving: bool = False
+) -> bool:
     """Join Ray or start it; True when this call started it (the caller then shuts it down). ``quiet``: keep Ray's
     and Serve's informational lines (and the token-authentication notice) off the terminal; errors still show.
     ``runtime_env``: this job's (a ``working_dir`` is uploaded to the cluster and unpacked on each node that runs
-    one of the job's workers).
+    one of the job's workers). ``serving``: the caller is a server; a local Ray it starts then runs without pandas
+    and pyarrow in this process and in every worker (serving/private.py: without_dataframes).
 
     Raises ClusterError with one line saying what failed, instead of Ray's traceback."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reporting from an offline machine
@@ -42,6 +45,8 @@ def connect(address: str | None = None, quiet: bool = False, runtime_env: dict[s
             os.environ.setdefault(name, value)
     # a local Ray without the head's processes that nothing here uses (serving/private.py: lean_head)
     lean = target is None and not full_ray()
+    if lean and serving:  # the whole Ray is this server's: none of its processes needs pandas or pyarrow
+        os.environ.update(without_dataframes())  # the raylet, and with it every worker, inherits the hook
     try:
         level = logging.ERROR if quiet else logging.INFO
         with lean_head() if lean else contextlib.nullcontext():

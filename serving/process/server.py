@@ -23,10 +23,18 @@ from fusionserve.errors import FusionServeError
 
 from .. import private
 from ..api.grpc_ingress import transport_env
-from ..builder import BF16_ON_CUDA, SERVICER, AppArgs, app_builder, check_artifact, check_ranges, placement
+from ..builder import (
+    SERVICER,
+    AppArgs,
+    app_builder,
+    check_artifact,
+    check_ranges,
+    placement,
+    refuse_cuda_for_cpu_only,
+)
 from ..model.artifact import MANIFEST, load_artifact, sha256
 from ..model.openvino_runtime import require_openvino
-from ..model.runtime import DeviceError, make_session, resolve_device
+from ..model.runtime import make_session, resolve_device
 from .cluster import connect
 from .ingress import INGRESSES, VARIANTS, drawn_ports, ingress_env
 from .ports import listener, port_holder
@@ -110,8 +118,7 @@ def check_before_ray(cfg: ServerConfig, session: bool = True) -> tuple[Any, dict
     resolve_device(cfg.app.device)
     if artifact.manifest["precision"] == "bf16":  # its replicas run it with OpenVINO: missing, one line now
         require_openvino(f"{artifact.folder} (a bf16 artifact)")
-        if cfg.app.device == "cuda":
-            raise DeviceError(f"--device cuda: {artifact.folder}: {BF16_ON_CUDA}")
+        refuse_cuda_for_cpu_only(cfg.app.device, str(artifact.folder))
     check_artifact(cfg.app)  # the options the artifact bounds (--default-task, --max-batch-tokens)
     reap_stale()  # before the port check: a HAProxy left by a killed server of ours holds it, not another program
     held = {port: who for port in (cfg.port, cfg.grpc_port) if port is not None and (who := port_holder(cfg.host, port))}
@@ -191,7 +198,7 @@ class Server:
         say(f"starting Ray ({'joining ' + address if address else 'a local instance'})")
         # --ship-artifact: Ray uploads the folder once and unpacks it on every node a replica starts on; Serve hands the
         # job's working_dir to the deployment, and the replicas load the artifact from their working directory
-        connect(quiet=True, runtime_env={"working_dir": str(cfg.artifact)} if cfg.ship_artifact else None)
+        connect(quiet=True, runtime_env={"working_dir": str(cfg.artifact)} if cfg.ship_artifact else None, serving=True)
         after_ray()
         import ray
         from ray import serve
