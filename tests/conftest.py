@@ -18,6 +18,7 @@ from fusionserve.export.predict import TorchRunner
 from fusionserve.scoring.calibrate import calibrate
 from fusionserve.scoring.inputs import read_labelled_jsonl
 from fusionserve.serving.model.activations import stats_document
+from fusionserve.serving.model.artifact import MANIFEST
 from fusionserve.serving.model.runtime import OnnxRunner
 from fusionserve.serving.process.ports import draw_range
 from fusionserve.settings import PORT_RANGE_ENV
@@ -27,6 +28,7 @@ from tests.adapterhub_models import TASKS, Built, build
 from tests.backbone_models import ADAPTER_CONFIGS, ARCHS, BuiltArch, build_arch
 from tests.head_kinds import HeadKinds, add_heads
 from tests.import_helpers import TORCH, environment_without
+from tests.made_once import export_once, made_once, source_digest
 from tests.oip_helpers import Receiver, start_receiver
 from tests.serving_helpers import (
     KEYED_ARGS,
@@ -111,7 +113,8 @@ def built_st(tmp_path_factory) -> Built:
 
 @pytest.fixture(scope="session")
 def exported(built, tmp_path_factory) -> export_helpers.Exported:
-    """The tiny model exported once per weight format (fp32, opset 17, 64 tokens): test_export*.py."""
+    """The tiny model exported once per weight format (fp32, opset 17, 64 tokens): test_export*.py and test_cli.py, one
+    xdist group ("exported"): its manifest names this worker's build (made_once would share another worker's)."""
     folder = tmp_path_factory.mktemp("export") / "artifact"
     manifest = export_artifact(
         built.spec, folder, max_seq_len=export_helpers.MAX_SEQ_LEN, opset=export_helpers.OPSET, progress=False
@@ -121,18 +124,16 @@ def exported(built, tmp_path_factory) -> export_helpers.Exported:
 
 @pytest.fixture(scope="session")
 def artifact(built_st, tmp_path_factory) -> Path:
-    """The tiny model exported once (fp32, runtime_helpers.MAX_SEQ_LEN tokens) and only read: scoring, the runtime and
-    the servers of the end-to-end tests (one export where each serving module made its own copy)."""
-    out = tmp_path_factory.mktemp("artifact") / "art"
-    export_artifact(built_st.spec, out, max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False)
-    return out
+    """The tiny model exported once per run (fp32, runtime_helpers.MAX_SEQ_LEN tokens) and only read: scoring, the
+    runtime and the servers of the end-to-end tests (one export where each serving module made its own copy)."""
+    return export_once(tmp_path_factory, "artifact", built_st.spec, max_seq_len=runtime_helpers.MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="session")
 def artifacts(artifact, built_st, tmp_path_factory) -> runtime_helpers.Artifacts:
-    """The tiny model at each precision (fp32 is ``artifact``): test_runtime.py and test_gpu.py."""
-    fp16 = tmp_path_factory.mktemp("fp16") / "art"
-    export_artifact(built_st.spec, fp16, precision="fp16", max_seq_len=runtime_helpers.MAX_SEQ_LEN, progress=False)
+    """The tiny model at each precision (fp32 is ``artifact``), fp16 exported once per run: test_runtime.py and
+    test_gpu.py."""
+    fp16 = export_once(tmp_path_factory, "artifact", built_st.spec, precision="fp16", max_seq_len=runtime_helpers.MAX_SEQ_LEN)
     return runtime_helpers.Artifacts(artifact, fp16)
 
 
@@ -153,15 +154,17 @@ def spec_runner(built_st) -> TorchRunner:
 
 @pytest.fixture(scope="session")
 def stats(built_st, spec_runner, tmp_path_factory) -> Path:
-    """Statistics of every fusion task of the tiny model, as `fusionserve calibrate` writes them."""
-    folder = tmp_path_factory.mktemp("stats")
-    src = prune_helpers._texts(folder / "in.jsonl")
-    fusion_tasks = [t for t, (kind, *_) in TASKS.items() if kind == "fusion"]
-    result, bad = calibrate(spec_runner, fusion_tasks, read_labelled_jsonl(src, False), batch_size=4)
-    assert bad == []
-    out = folder / "stats.json"
-    out.write_text(json.dumps(stats_document(result, str(built_st.spec), src, 0)))
-    return out
+    """Statistics of every fusion task of the tiny model, as `fusionserve calibrate` writes them, computed once per
+    run (tests/made_once.py) from texts written once per run (the file records the texts' path)."""
+    src = made_once(tmp_path_factory, "calibration-texts", lambda f: prune_helpers._texts(f / "in.jsonl")) / "in.jsonl"
+
+    def make(folder: Path) -> None:
+        fusion_tasks = [t for t, (kind, *_) in TASKS.items() if kind == "fusion"]
+        result, bad = calibrate(spec_runner, fusion_tasks, read_labelled_jsonl(src, False), batch_size=4)
+        assert bad == []
+        (folder / "stats.json").write_text(json.dumps(stats_document(result, str(built_st.spec), src, 0)))
+
+    return made_once(tmp_path_factory, f"stats-{source_digest(built_st.spec)}", make) / "stats.json"
 
 
 # --- private copies of a build to tamper with: test_spec_errors.py, test_checkpoint_errors.py, test_config_errors.py
@@ -224,10 +227,10 @@ def arch_built(request, arch_models) -> BuiltArch:
 
 @pytest.fixture(scope="session")
 def arch_exported(arch_built, tmp_path_factory) -> export_helpers.Exported:
-    """Each of those exported once (fp32)."""
-    folder = tmp_path_factory.mktemp("arch-export") / "artifact"
-    manifest = export_artifact(arch_built.spec, folder, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN, progress=False)
-    return export_helpers.Exported(folder.resolve(), manifest)
+    """Each of those exported once per run (fp32; tests/made_once.py), with the manifest it wrote."""
+    key = f"arch-{arch_built.arch}-{arch_built.adapter_config}"
+    folder = export_once(tmp_path_factory, key, arch_built.spec, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN)
+    return export_helpers.Exported(folder.resolve(), json.loads((folder / MANIFEST).read_text()))
 
 
 # --- every head kind AdapterHub trains, saved by it: test_head_kinds*.py --------------------------------------------

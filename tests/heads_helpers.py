@@ -14,6 +14,7 @@ import yaml
 
 from fusionserve.export.artifact import export_artifact
 from tests.adapterhub_models import Built, build
+from tests.made_once import export_once
 
 MAX_SEQ_LEN = 32
 # task -> (head kind, how it runs: fusion over adapters / one adapter, the adapters)
@@ -88,10 +89,12 @@ class HeadsModel:
         return np.stack(rows)
 
 
-def build_heads(root: Path, seed: int = 0, live: bool = False, leave_out: tuple[str, ...] = ()) -> HeadsModel:
+def build_heads(root: Path, seed: int = 0, live: bool = False, leave_out: tuple[str, ...] = (), shared: Any = None) -> HeadsModel:
     """The tiny AdapterHub model (adapterhub_models.build) with HEAD_TASKS' heads added, perturbed, saved by the library
     (heads/<task>, fusions/<task>), named in the spec, and the spec exported but for ``leave_out`` (fp32; ``live``: as a
-    live artifact, whose left-out tasks `fusionserve tasks add` can add)."""
+    live artifact, whose left-out tasks `fusionserve tasks add` can add). ``shared``: the session's tmp_path_factory,
+    to export once per test run for every module that builds the same model (made_once.export_once); the build, and
+    AdapterHub's model in memory, stay this call's own."""
     from adapters.composition import Fuse
 
     root.mkdir(parents=True, exist_ok=True)
@@ -126,9 +129,12 @@ def build_heads(root: Path, seed: int = 0, live: bool = False, leave_out: tuple[
         spec["tasks"][task] = entry
     model.eval()
     (root / "model.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    artifact = root / "artifact"
     tasks = [t for t in spec["tasks"] if t not in leave_out]
-    export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live, tasks=tasks)
+    if shared is not None:
+        artifact = export_once(shared, "heads", root / "model.yaml", max_seq_len=MAX_SEQ_LEN, live=live, tasks=tasks)
+    else:
+        artifact = root / "artifact"
+        export_artifact(root / "model.yaml", artifact, max_seq_len=MAX_SEQ_LEN, progress=False, live=live, tasks=tasks)
     return HeadsModel(built, root / "model.yaml", artifact)
 
 

@@ -8,6 +8,11 @@ import torch
 from fusionserve.cli.main import main
 from tests.adapterhub_models import PAIRS, SENTENCES
 
+# one worker for test_export, test_export_errors and test_cli under xdist, so that conftest's ``exported`` is exported once
+# per weight format: test_export checks that its manifest names the spec of this worker's ``built``, which an export
+# shared across workers (tests/made_once.py) would not
+pytestmark = pytest.mark.xdist_group("exported")
+
 
 def _run(capsys, *argv):
     code = main([str(a) for a in argv])

@@ -23,6 +23,11 @@ from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, VOCAB
 from tests.export_helpers import MAX_SEQ_LEN, OPSET, _cli
 
+# one worker for test_export, test_export_errors and test_cli under xdist, so that conftest's ``exported`` is exported once
+# per weight format: test_export checks that its manifest names the spec of this worker's ``built``, which an export
+# shared across workers (tests/made_once.py) would not
+pytestmark = pytest.mark.xdist_group("exported")
+
 TOL = 1e-4
 
 

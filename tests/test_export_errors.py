@@ -15,6 +15,11 @@ from fusionserve.serving.model.artifact import ArtifactError, load_artifact, sha
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.export_helpers import _cli
 
+# one worker for test_export, test_export_errors and test_cli under xdist, so that conftest's ``exported`` is exported once
+# per weight format: test_export checks that its manifest names the spec of this worker's ``built``, which an export
+# shared across workers (tests/made_once.py) would not
+pytestmark = pytest.mark.xdist_group("exported")
+
 
 def _write_spec(built, path: Path, drop: tuple[str, ...] = (), edit=None) -> Path:
     """A copy of the build's spec with absolute folders, written to ``path``; ``drop`` removes tasks."""

@@ -28,7 +28,7 @@ THREE = ["the cat sat", "a good film", "it is boring"]
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory) -> HeadsModel:
-    return build_heads(tmp_path_factory.mktemp("heads"))
+    return build_heads(tmp_path_factory.mktemp("heads"), shared=tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

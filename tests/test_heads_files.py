@@ -24,7 +24,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory) -> HeadsModel:
-    return build_heads(tmp_path_factory.mktemp("heads-files"))
+    return build_heads(tmp_path_factory.mktemp("heads-files"), shared=tmp_path_factory)
 
 
 def _jsonl(path: Path, rows: list) -> Path:
