@@ -49,8 +49,12 @@ def call(
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
-        text = err.read()
-        return err.code, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
+        return err.code, answer_body(err.read())
+
+
+def answer_body(text: bytes) -> dict:
+    """An answer's body: its JSON object, or ``{"raw": text}`` where it is not one (HAProxy's or Serve's own pages)."""
+    return json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
 
 
 @dataclass

@@ -224,8 +224,7 @@ def _all_at_once(url: str, body: dict, clients: int) -> list[tuple[int, dict]]:
             together.wait(60)
             conn.request("POST", "/v1/classify", data, {"content-type": "application/json", **AUTH})
             resp = conn.getresponse()
-            text = resp.read()
-            return resp.status, json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
+            return resp.status, serving_helpers.answer_body(resp.read())
         finally:
             conn.close()
 
