@@ -174,6 +174,7 @@ class ReplicaWatch:
         self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__) a file, not a pipe: warnings never block
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=self._err, text=True)
         self.latest: tuple[float, dict[str, int]] = (0.0, {})
+        self.changes: list[tuple[float, dict[str, int]]] = []  # (monotonic time, states) at each change of the states
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -181,6 +182,8 @@ class ReplicaWatch:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.latest = (time.monotonic(), json.loads(line))
+            if not self.changes or self.changes[-1][1] != self.latest[1]:
+                self.changes.append(self.latest)
 
     def wait(self, running: int, timeout_s: float) -> tuple[float, dict[str, int]]:
         """(seconds it took, the states) once exactly ``running`` replicas run and none is in another state;
@@ -195,7 +198,8 @@ class ReplicaWatch:
         if self.proc.poll() is not None:
             self._err.seek(0)
             err = f"; the watching driver ended: {self._err.read()[-3000:]}"
-        raise AssertionError(f"not {running} running replica(s) within {timeout_s:.0f} s: {self.latest[1]}{err}")
+        seen = ", ".join(f"{t - started:.1f} s {states}" for t, states in self.changes if t > started - 60)
+        raise AssertionError(f"not {running} running replica(s) within {timeout_s:.0f} s: {self.latest[1]} (seen: {seen}){err}")
 
     def __enter__(self) -> ReplicaWatch:
         return self
