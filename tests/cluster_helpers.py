@@ -130,14 +130,6 @@ def ray_query(address: str, code: str, timeout: float = 120) -> object:
     return json.loads(lines[-1].removeprefix("RESULT="))
 
 
-def node_ids(address: str) -> dict[str, str]:
-    """Node id -> 'head' or 'worker' (by the marker resource each was started with), for the live nodes."""
-    code = "out = {n['NodeID']: ('head' if 'head' in n['Resources'] else 'worker') for n in ray.nodes() if n['Alive']}"
-    result = ray_query(address, code)
-    assert isinstance(result, dict)
-    return result
-
-
 def replica_counts(address: str, app: str = "fusionserve") -> dict[str, int]:
     """Serve's replica states of the application's deployment, e.g. {'RUNNING': 2}."""
     code = (
@@ -158,15 +150,17 @@ while True:
     st = serve.status().applications.get(sys.argv[2])
     ds = st.deployments.values() if st is not None else ()
     out = {k.value if hasattr(k, "value") else str(k): v for d in ds for k, v in d.replica_states.items()}
-    print(json.dumps(out), flush=True)
+    nodes = {n["NodeID"]: ("head" if "head" in n["Resources"] else "worker") for n in ray.nodes() if n["Alive"]}
+    print("WATCH " + json.dumps({"replicas": out, "nodes": nodes}), flush=True)
     time.sleep(float(sys.argv[3]))
 """
 
 
 class ReplicaWatch:
-    """Serve's replica states of an application, read every ``interval_s`` by ONE driver connected for the watch's
-    life (a ``replica_counts`` per poll starts a Python, imports Ray and joins the cluster as a new job each time,
-    a few CPU-seconds apiece). Use as a context manager; ``wait`` counts only states read after it was called."""
+    """Serve's replica states of an application and the cluster's live nodes, read every ``interval_s`` by ONE
+    driver connected for the watch's life (a ``replica_counts`` per poll starts a Python, imports Ray and joins the
+    cluster as a new job each time, a few CPU-seconds apiece). Use as a context manager; ``wait`` counts only states
+    read after it was called."""
 
     def __init__(self, address: str, app: str = "fusionserve", interval_s: float = 0.5) -> None:
         env = dict(os.environ, **AUTH, RAY_USAGE_STATS_ENABLED="0")
@@ -174,6 +168,7 @@ class ReplicaWatch:
         self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__) a file, not a pipe: warnings never block
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=self._err, text=True)
         self.latest: tuple[float, dict[str, int]] = (0.0, {})
+        self.nodes: dict[str, str] = {}  # the live nodes at the latest reading: node id -> 'head' or 'worker'
         self.changes: list[tuple[float, dict[str, int]]] = []  # (monotonic time, states) at each change of the states
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -181,7 +176,10 @@ class ReplicaWatch:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.latest = (time.monotonic(), json.loads(line))
+            if not line.startswith("WATCH "):  # Ray's own lines (a node's death, for one)
+                continue
+            seen = json.loads(line.removeprefix("WATCH "))
+            self.nodes, self.latest = seen["nodes"], (time.monotonic(), seen["replicas"])
             if not self.changes or self.changes[-1][1] != self.latest[1]:
                 self.changes.append(self.latest)
 
@@ -200,6 +198,19 @@ class ReplicaWatch:
             err = f"; the watching driver ended: {self._err.read()[-3000:]}"
         seen = ", ".join(f"{t - started:.1f} s {states}" for t, states in self.changes if t > started - 60)
         raise AssertionError(f"not {running} running replica(s) within {timeout_s:.0f} s: {self.latest[1]} (seen: {seen}){err}")
+
+    def replaced(self, since: float, running: int, timeout_s: float) -> float | None:
+        """Seconds from ``since`` (a monotonic time) until the states, once other than exactly ``running`` running
+        replicas after ``since``, were exactly that again (Serve replaced what it lost); None after ``timeout_s``."""
+        deadline = since + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            changes = [(t, states) for t, states in list(self.changes) if t > since]
+            left = next((i for i, (_, states) in enumerate(changes) if states != {"RUNNING": running}), None)
+            back = next((t for t, states in changes[left or 0 :] if states == {"RUNNING": running}), None)
+            if left is not None and back is not None:
+                return back - since
+            time.sleep(0.2)
+        return None
 
     def __enter__(self) -> ReplicaWatch:
         return self
