@@ -184,10 +184,21 @@ def processes(server_pid: int) -> dict[int, str]:
     return {p: cmdline(p) for p in descendants(server_pid)}
 
 
+def replica_pid(server_pid: int) -> int:
+    return next(p for p, c in processes(server_pid).items() if "ServeReplica" in c)
+
+
 def kill_replica(server_pid: int) -> list[int]:
-    pid = next(p for p, c in processes(server_pid).items() if "ServeReplica" in c)
+    pid = replica_pid(server_pid)
     os.kill(pid, signal.SIGKILL)
     return [pid]
+
+
+def kill_all(pids: list[int]) -> list[int]:
+    """kill -9 of ``pids``, found beforehand (a fault at a chosen moment: reading /proc for them takes a while)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def haproxy_pids(server_pid: int) -> list[int]:
@@ -203,8 +214,8 @@ def haproxy_pids(server_pid: int) -> list[int]:
     return [p for p, c in processes(server_pid).items() if config in c]
 
 
-def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
-    """kill -9 of every HAProxy process of the server's, once there is one (at most ``within_s``: a reload's gap)."""
+def haproxy_pids_once_up(server_pid: int, within_s: float = 30.0) -> list[int]:
+    """``haproxy_pids``, once there is one (at most ``within_s``: a reload's gap)."""
     pids: list[int] = []
 
     def found() -> bool:
@@ -212,15 +223,20 @@ def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
         return bool(pids)
 
     within(found, within_s)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
     return pids
 
 
+def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
+    """kill -9 of every HAProxy process of the server's, once there is one (at most ``within_s``: a reload's gap)."""
+    return kill_all(haproxy_pids_once_up(server_pid, within_s))
+
+
+def raylet_pid(server_pid: int) -> int:
+    return next(p for p, c in processes(server_pid).items() if "/raylet/raylet " in c)
+
+
 def kill_raylet(server_pid: int) -> list[int]:
-    pid = next(p for p, c in processes(server_pid).items() if "/raylet/raylet " in c)
-    os.kill(pid, signal.SIGKILL)
-    return [pid]
+    return kill_all([raylet_pid(server_pid)])
 
 
 # --- what the fault tests check after a kill or a signal (tests/test_serving_faults*.py) ---------------------------

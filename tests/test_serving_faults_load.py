@@ -26,11 +26,12 @@ from tests.fault_helpers import (
     CLIENTS,
     group_signal_stops,
     haproxy,
-    kill_haproxy,
-    kill_raylet,
-    kill_replica,
+    haproxy_pids_once_up,
+    kill_all,
     left,
     processes,
+    raylet_pid,
+    replica_pid,
     under_load,
     within,
 )
@@ -41,9 +42,10 @@ pytestmark = pytest.mark.slow
 BOUND_S = 60  # time back to serving on a loaded 2-core machine (the targets, 5 s and the usual start time, are figures)
 # The load: the CLIENTS send together every PAUSE_S (fault_helpers.Load), and the fault comes while at least IN_FLIGHT
 # of a burst are in flight, 2 s after the load began; the load ends once the server has answered for AFTER_S again.
-# Clients that sent again the moment they had an answer kept both cores busy for the whole of every test (12-16 CPU-s
-# a test, beside the servers' starts) and showed nothing more: what a fault does to requests is what it does to those
-# in flight and queued at its moment, and to those that come after it.
+# Clients that sent again the moment they had an answer (~500 requests a second: 7,000 in the replica test) kept both
+# cores busy for the whole of every test and showed nothing more: what a fault does to requests is what it does to
+# those in flight and queued at its moment, and to those that come after it. The processes a test kills are found
+# before the load (reading /proc for them takes long enough for a burst to be answered meanwhile).
 PAUSE_S, IN_FLIGHT, SETTLE_S, AFTER_S = 0.5, CLIENTS // 2, 2.0, 3.0
 
 
@@ -107,7 +109,8 @@ def test_two_replicas_both_serve(server):
 def test_a_killed_replica_is_replaced_and_the_other_serves_meanwhile(server):
     served = server["served"]
     killed = []
-    result = _under_load(served, "replica", lambda: killed.extend(kill_replica(served.proc.pid)))
+    aimed = [replica_pid(served.proc.pid)]  # found before the load: the kill comes at the moment chosen
+    result = _under_load(served, "replica", lambda: killed.extend(kill_all(aimed)))
     assert result["outage_s"] < 10, result  # the other replica answers meanwhile
     assert killed and not alive(set(killed))
 
@@ -120,7 +123,8 @@ def test_a_killed_haproxy_is_started_again(server):
     folder = haproxy_config(served.proc.pid).parent.parent
     assert within(lambda: routed_replicas(folder, APP_NAME) == 2, 120) is not None, routed_replicas(folder, APP_NAME)
     killed = []
-    _under_load(served, "HAProxy", lambda: killed.extend(kill_haproxy(served.proc.pid)))
+    aimed = haproxy_pids_once_up(served.proc.pid)
+    _under_load(served, "HAProxy", lambda: killed.extend(kill_all(aimed)))
     assert killed and not alive(set(killed))
 
 
@@ -156,11 +160,11 @@ def test_a_killed_raylet_ends_the_server_cleanly_and_a_restart_serves(server):
     supervisor to restart it) leaving nothing, and a restart on the same port serves."""
     served = server["served"]
     tree = processes(served.proc.pid)
-    codes, moments = [], {}
+    codes, moments, aimed = [], {}, [raylet_pid(served.proc.pid)]
 
     def kill():
         moments["kill"] = time.monotonic()
-        kill_raylet(served.proc.pid)
+        kill_all(aimed)
 
     def restart():
         codes.append(served.proc.wait(BOUND_S))
