@@ -4,7 +4,12 @@
 A client sends one request at a time. A connection refused before anything was sent is retried (every 0.2 s, as a
 load balancer's client does; nothing was sent, so nothing runs twice); a request is **lost** when it got no answer
 once sent (connection reset, timeout) or a 5xx other than the documented 503 overload answer, or when no attempt
-connected within ``give_up_s``. A **hang** is a request that ran into the client's timeout."""
+connected within ``give_up_s``. A **hang** is a request that ran into the client's timeout.
+
+By default a client sends its next request as soon as it has an answer (benchmarks/faults.py: the figures under full
+load). With ``pause_s`` (the tests) the clients send together, once every ``pause_s`` (a burst of ``CLIENTS`` requests
+in flight and queued at once, then nothing until the next): the fault can be made while a burst is in flight
+(``under_load``'s ``in_flight``), without clients that keep both cores busy for the whole test."""
 
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ class Load:
 
     port: int
     give_up_s: float = 60.0
+    pause_s: float = 0.0  # > 0: each client waits for the next multiple of it (on one clock) before its next request
     records: list[Record] = field(default_factory=list)
+    in_flight: int = 0  # requests sent (connected) and not yet answered, this moment
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -64,6 +71,12 @@ class Load:
                 self.records.append(rec)
             if rec.status != 200:
                 time.sleep(0.1)
+            if self.pause_s > 0:  # the next tick, the same for every client: they send together
+                self._stop.wait(self.pause_s - time.monotonic() % self.pause_s)
+
+    def _flight(self, step: int) -> None:
+        with self._lock:
+            self.in_flight += step
 
     def _one(self) -> Record:
         sent, retries = time.monotonic(), 0
@@ -78,6 +91,7 @@ class Load:
                 retries += 1
                 time.sleep(0.2)
                 continue
+            self._flight(1)
             try:
                 conn.request("POST", "/v1/classify", BODY, {"content-type": "application/json"})
                 resp = conn.getresponse()
@@ -90,6 +104,7 @@ class Load:
             except http.client.HTTPException as exc:
                 return Record(sent, time.monotonic(), 0, f"{type(exc).__name__}: {exc}", retries)
             finally:
+                self._flight(-1)
                 conn.close()
 
 
@@ -111,6 +126,7 @@ def summary(fault: str, records: list[Record], killed_at: float) -> dict:
         "ok": sum(r.status == 200 for r in records),
         "overloaded_503": sum(r.status == 503 for r in records),
         "lost": sum(lost(r) for r in records),
+        "in_flight_at_kill": sum(r.sent <= killed_at < r.done for r in records),  # sent, not answered when killed
         "lost_sent_s": sorted(round(r.sent - killed_at, 3) for r in records if lost(r)),  # when each lost one was sent
         "lost_examples": sorted({(r.error or f"HTTP {r.status}")[:80] for r in records if lost(r)})[:4],
         "answered_4xx": sum(400 <= r.status < 500 for r in records),  # 404 from a HAProxy that has no routes yet
@@ -129,12 +145,18 @@ def under_load(
     settle_s: float = 4.0,
     after_s: float = 6.0,
     bound_s: float = 90.0,
+    pause_s: float = 0.0,
+    in_flight: int = 0,
 ) -> dict:
-    """``CLIENTS`` clients on ``port``; after ``settle_s``, ``kill()`` then ``restart()`` (a supervisor's restart, by
-    hand); the load goes on until the server has answered for ``after_s`` s again (at most ``bound_s``). Returns
-    ``summary``."""
-    load = Load(port, give_up_s=bound_s).start()
+    """``CLIENTS`` clients on ``port`` (sending in bursts every ``pause_s`` where it is > 0: ``Load``); after
+    ``settle_s``, once at least ``in_flight`` requests are in flight (at most ``bound_s`` more), ``kill()`` then
+    ``restart()`` (a supervisor's restart, by hand); the load goes on until the server has answered for ``after_s`` s
+    again (at most ``bound_s``). Returns ``summary``."""
+    load = Load(port, give_up_s=bound_s, pause_s=pause_s).start()
     time.sleep(settle_s)
+    flying = time.monotonic() + bound_s
+    while load.in_flight < in_flight and time.monotonic() < flying:
+        time.sleep(0.002)
     killed_at = time.monotonic()
     kill()
     if restart is not None:
@@ -162,10 +184,21 @@ def processes(server_pid: int) -> dict[int, str]:
     return {p: cmdline(p) for p in descendants(server_pid)}
 
 
+def replica_pid(server_pid: int) -> int:
+    return next(p for p, c in processes(server_pid).items() if "ServeReplica" in c)
+
+
 def kill_replica(server_pid: int) -> list[int]:
-    pid = next(p for p, c in processes(server_pid).items() if "ServeReplica" in c)
+    pid = replica_pid(server_pid)
     os.kill(pid, signal.SIGKILL)
     return [pid]
+
+
+def kill_all(pids: list[int]) -> list[int]:
+    """kill -9 of ``pids``, found beforehand (a fault at a chosen moment: reading /proc for them takes a while)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def haproxy_pids(server_pid: int) -> list[int]:
@@ -181,8 +214,8 @@ def haproxy_pids(server_pid: int) -> list[int]:
     return [p for p, c in processes(server_pid).items() if config in c]
 
 
-def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
-    """kill -9 of every HAProxy process of the server's, once there is one (at most ``within_s``: a reload's gap)."""
+def haproxy_pids_once_up(server_pid: int, within_s: float = 30.0) -> list[int]:
+    """``haproxy_pids``, once there is one (at most ``within_s``: a reload's gap)."""
     pids: list[int] = []
 
     def found() -> bool:
@@ -190,15 +223,20 @@ def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
         return bool(pids)
 
     within(found, within_s)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
     return pids
 
 
+def kill_haproxy(server_pid: int, within_s: float = 30.0) -> list[int]:
+    """kill -9 of every HAProxy process of the server's, once there is one (at most ``within_s``: a reload's gap)."""
+    return kill_all(haproxy_pids_once_up(server_pid, within_s))
+
+
+def raylet_pid(server_pid: int) -> int:
+    return next(p for p, c in processes(server_pid).items() if "/raylet/raylet " in c)
+
+
 def kill_raylet(server_pid: int) -> list[int]:
-    pid = next(p for p, c in processes(server_pid).items() if "/raylet/raylet " in c)
-    os.kill(pid, signal.SIGKILL)
-    return [pid]
+    return kill_all([raylet_pid(server_pid)])
 
 
 # --- what the fault tests check after a kill or a signal (tests/test_serving_faults*.py) ---------------------------

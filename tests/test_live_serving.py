@@ -23,6 +23,8 @@ from tests.serving_helpers import call, serving
 pytestmark = pytest.mark.slow
 TOL = 1e-4
 CLIENTS = 4
+PAUSE_S = 0.1  # between a client's requests: ~40 a second in all, several during every reload of a replica, and not
+# clients that kept both cores busy through the whole test (taking them from the replicas that load the revisions)
 
 
 def _probs(body: dict) -> np.ndarray:
@@ -50,7 +52,8 @@ def _wait_for(url: str, revision: int, replicas: int = 2, timeout_s: float = 60)
 
 
 class _Clients:
-    """CLIENTS threads classifying FIRST's tasks in a loop, checking every answer against the local runner's."""
+    """CLIENTS threads classifying FIRST's tasks in a loop (PAUSE_S between requests), checking every answer against
+    the local runner's."""
 
     def __init__(self, url: str, expected: dict[str, np.ndarray]) -> None:
         self.url, self.expected = url, expected
@@ -69,6 +72,7 @@ class _Clients:
             else:
                 self.answered += 1
             i += 1
+            self.stop.wait(PAUSE_S)
 
     def __enter__(self) -> _Clients:
         for t in self.threads:
@@ -131,6 +135,7 @@ def test_add_replace_remove_on_a_running_server_under_load(tmp_path: Path):
             status, body = _classify(srv.url, "flat")
             assert status == 404 and body["error"]["type"] == "unknown_task", body
             time.sleep(0.5)
+        print(f"\n{clients.answered} answers checked, {len(clients.errors)} wrong or failed")
         assert clients.errors == [] and clients.answered > 20, (clients.errors[:5], clients.answered)
         with urllib.request.urlopen(f"{srv.url}/metrics", timeout=30) as resp:
             metrics = resp.read().decode()

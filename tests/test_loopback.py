@@ -18,6 +18,7 @@ import pytest
 
 from fusionserve.serving.process import loopback
 from fusionserve.serving.process.server import ServerConfig
+from tests.fault_helpers import group_signal_stops
 from tests.serving_helpers import (
     Served,
     call,
@@ -152,12 +153,17 @@ def test_with_host_127_0_0_1_nothing_listens_beyond_loopback(shared_server):
 @needs_shim
 def test_with_host_0_0_0_0_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marked):
     """With --host 0.0.0.0 only the HTTP and gRPC ports are outside loopback, and they answer HTTP and gRPC at the
-    machine's own address."""
+    machine's own address. Then SIGINT to the server's process group (Ctrl-C in a terminal) stops everything of it with
+    exit 0 (tests/fault_helpers.group_signal_stops; merged here from tests/test_serving_faults.py, whose test of it
+    started a server of its own for nothing else)."""
     grpc_port = free_port("0.0.0.0")
-    _, env = marked
-    served = launch(artifact, tmp_path / "serve.log", "--host", "0.0.0.0", "--grpc-port", str(grpc_port), env=env)
+    mark, env = marked
+    args = ("--host", "0.0.0.0", "--grpc-port", str(grpc_port))
+    served = launch(artifact, tmp_path / "serve.log", *args, env=env, own_group=True)
     try:
         _only_the_serving_ports_beyond_loopback(served, grpc_port, "0.0.0.0")
+        group_signal_stops(served, signal.SIGINT, mark)
     finally:
-        served.proc.send_signal(signal.SIGTERM)
-        served.proc.wait(60)
+        if served.proc.poll() is None:
+            served.proc.send_signal(signal.SIGTERM)
+            served.proc.wait(60)

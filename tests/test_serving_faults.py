@@ -2,8 +2,9 @@
 started as the leader of its own group, as a terminal, systemd or a container runtime starts it) while it starts and
 while it serves. Nothing of a run may outlive it, a stop must end with exit 0. ``kill -9`` of the server and of its
 whole group, each followed by a restart on the same port, and a group SIGTERM while serving: in the sequence of
-tests/test_serving_faults_load.py, on its server (one start less each). Each test ends only the processes it started
-(by pid, found by the mark in their environment)."""
+tests/test_serving_faults_load.py, on its server (one start less each). A group SIGINT while serving: on the server of
+tests/test_loopback.py's ``--host 0.0.0.0`` test, at its end (one start less). Each test ends only the processes it
+started (by pid, found by the mark in their environment)."""
 
 import os
 import signal
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_helpers import STOP_S, group_signal_stops, within
-from tests.serving_helpers import carrying, descendants, free_port, is_loopback, launch
+from tests.fault_helpers import STOP_S, within
+from tests.serving_helpers import carrying, descendants, free_port, is_loopback
 
 pytestmark = pytest.mark.slow
 
@@ -46,18 +47,6 @@ def test_a_group_signal_while_starting_stops_everything_and_exits_0(artifact, tm
     print(f"\ngroup {sig.name} while starting: exit {code} after {exited_s:.1f} s, nothing left after {gone_s} s")
     assert code == 0, log.read_text()[-3000:]
     assert gone_s is not None, carrying(mark)
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT], ids=["SIGINT"])
-def test_a_group_signal_while_serving_stops_everything_and_exits_0(artifact, tmp_path, marked, sig):
-    """SIGTERM to the group (systemd's default KillMode=control-group, `kill -TERM -PGID`) reached Ray's GCS and raylet
-    with the server: "shutting down", then 60 s waiting for the GCS, exit 1, HAProxy left holding the port. SIGINT to
-    the group is Ctrl-C in a terminal (Ray's processes block SIGINT: that one was clean). SIGTERM: on the server of
-    tests/test_serving_faults_load.py at its end (``test_a_group_sigterm_while_serving_stops_everything_and_exits_0``),
-    where a start of its own cost a whole server start more."""
-    mark, env = marked
-    served = launch(artifact, tmp_path / "serve.log", env=env, own_group=True)
-    group_signal_stops(served, sig, mark)
 
 
 def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(shared_server):

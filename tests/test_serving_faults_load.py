@@ -1,12 +1,13 @@
-"""One fault at a time while 16 clients keep a server busy (tests/fault_helpers.py says what counts as lost): a
-replica, HAProxy, the server process, Ray's raylet. A worker node of a two-node cluster: tests/test_cluster.py. The
-figures: benchmarks/faults.py into benchmarks/RESULTS.md. Asserted here: no request hangs, none is lost but those in
-flight on the killed process, serving comes back (by itself, or after the restart a supervisor makes), nothing of a
-killed server is left. First, before any fault, that `serve` said it was serving only once HAProxy routed to both
-replicas and that load reaches both (the test of tests/test_serving_replicas.py, which started a server of its own
-for it). Then, on the server the last restart started, the faults of tests/test_serving_faults.py that
-need a serving server and end it: ``kill -9`` of its whole group (the next start on the port reaps what is left) and
-a group SIGTERM. The tests run in this order, each on the server the one before left (``server["served"]``)."""
+"""One fault at a time while 16 clients keep a server busy, in bursts (``PAUSE_S``; tests/fault_helpers.py says what
+counts as lost): a replica, HAProxy, the server process, Ray's raylet. A worker node of a two-node cluster:
+tests/test_cluster.py. The figures: benchmarks/faults.py into benchmarks/RESULTS.md. Asserted here: no request hangs,
+none is lost but those in flight on the killed process, serving comes back (by itself, or after the restart a
+supervisor makes), nothing of a killed server is left. First, before any fault, that `serve` said it was serving only
+once HAProxy routed to both replicas and that load reaches both (the test of tests/test_serving_replicas.py, which
+started a server of its own for it). Then, on the server the last restart started, the faults of
+tests/test_serving_faults.py that need a serving server and end it: ``kill -9`` of its whole group (the next start on
+the port reaps what is left) and a group SIGTERM. The tests run in this order, each on the server the one before left
+(``server["served"]``)."""
 
 import json
 import os
@@ -25,11 +26,12 @@ from tests.fault_helpers import (
     CLIENTS,
     group_signal_stops,
     haproxy,
-    kill_haproxy,
-    kill_raylet,
-    kill_replica,
+    haproxy_pids_once_up,
+    kill_all,
     left,
     processes,
+    raylet_pid,
+    replica_pid,
     under_load,
     within,
 )
@@ -38,6 +40,13 @@ from tests.serving_helpers import MARK_ENV, alive, call, carrying, free_port, ha
 pytestmark = pytest.mark.slow
 
 BOUND_S = 60  # time back to serving on a loaded 2-core machine (the targets, 5 s and the usual start time, are figures)
+# The load: the CLIENTS send together every PAUSE_S (fault_helpers.Load), and the fault comes while at least IN_FLIGHT
+# of a burst are in flight, 2 s after the load began; the load ends once the server has answered for AFTER_S again.
+# Clients that sent again the moment they had an answer (~500 requests a second: 7,000 in the replica test) kept both
+# cores busy for the whole of every test and showed nothing more: what a fault does to requests is what it does to
+# those in flight and queued at its moment, and to those that come after it. The processes a test kills are found
+# before the load (reading /proc for them takes long enough for a burst to be answered meanwhile).
+PAUSE_S, IN_FLIGHT, SETTLE_S, AFTER_S = 0.5, CLIENTS // 2, 2.0, 3.0
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +73,12 @@ def server(artifact, tmp_path_factory):
 def _under_load(served, fault, kill, restart=None, ends_server=False) -> dict:
     """``ends_server``: the fault ends the server, so requests sent while it is dying may be lost too, beyond the one
     in flight per client: the test checks instead that none is lost once the server has exited."""
-    result = under_load(served.port, fault, kill, restart, bound_s=BOUND_S + 30)
+    result = under_load(
+        served.port, fault, kill, restart, SETTLE_S, AFTER_S, bound_s=BOUND_S + 30, pause_s=PAUSE_S, in_flight=IN_FLIGHT
+    )
     print(f"\n{result}")
     assert result["requests"] > CLIENTS, result
+    assert result["in_flight_at_kill"] >= 1, result  # the fault met requests on their way (IN_FLIGHT when it was made)
     assert result["hung"] == 0, result
     if not ends_server:
         assert result["lost"] <= CLIENTS, result  # at most one request in flight per client on the killed process
@@ -97,7 +109,8 @@ def test_two_replicas_both_serve(server):
 def test_a_killed_replica_is_replaced_and_the_other_serves_meanwhile(server):
     served = server["served"]
     killed = []
-    result = _under_load(served, "replica", lambda: killed.extend(kill_replica(served.proc.pid)))
+    aimed = [replica_pid(served.proc.pid)]  # found before the load: the kill comes at the moment chosen
+    result = _under_load(served, "replica", lambda: killed.extend(kill_all(aimed)))
     assert result["outage_s"] < 10, result  # the other replica answers meanwhile
     assert killed and not alive(set(killed))
 
@@ -110,7 +123,8 @@ def test_a_killed_haproxy_is_started_again(server):
     folder = haproxy_config(served.proc.pid).parent.parent
     assert within(lambda: routed_replicas(folder, APP_NAME) == 2, 120) is not None, routed_replicas(folder, APP_NAME)
     killed = []
-    _under_load(served, "HAProxy", lambda: killed.extend(kill_haproxy(served.proc.pid)))
+    aimed = haproxy_pids_once_up(served.proc.pid)
+    _under_load(served, "HAProxy", lambda: killed.extend(kill_all(aimed)))
     assert killed and not alive(set(killed))
 
 
@@ -146,11 +160,11 @@ def test_a_killed_raylet_ends_the_server_cleanly_and_a_restart_serves(server):
     supervisor to restart it) leaving nothing, and a restart on the same port serves."""
     served = server["served"]
     tree = processes(served.proc.pid)
-    codes, moments = [], {}
+    codes, moments, aimed = [], {}, [raylet_pid(served.proc.pid)]
 
     def kill():
         moments["kill"] = time.monotonic()
-        kill_raylet(served.proc.pid)
+        kill_all(aimed)
 
     def restart():
         codes.append(served.proc.wait(BOUND_S))
