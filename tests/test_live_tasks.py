@@ -23,14 +23,15 @@ from fusionserve.serving.model.artifact import ArtifactError, load_artifact
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests import live_helpers
 from tests.import_helpers import TORCH, cli_without, imported
-from tests.live_helpers import FIRST, LiveModel, answers, make_live
+from tests.live_helpers import FIRST, LiveModel, answers, live_once, make_live
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> LiveModel:
-    return make_live(tmp_path_factory.mktemp("live"))
+    """The live export of FIRST, made once per run (shared with test_head_kinds_export): every test copies it."""
+    return live_once(tmp_path_factory, tmp_path_factory.mktemp("live"))
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
