@@ -1,6 +1,8 @@
 import os
 import signal
 
+from tests import quiet_site  # first: scikit-learn hidden from transformers (tests/quiet_site)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -42,6 +44,8 @@ from tests.serving_helpers import (
     new_mark,
 )
 from tests.xdist_groups import SERVERS, group_of, in_groups, longest_first, make_scheduler, write_groups
+
+quiet_site.lift()  # transformers has looked (above): seqeval imports scikit-learn in this process again
 
 
 def _worker_port_range() -> None:

@@ -198,17 +198,24 @@ def test_a_request_still_queued_at_its_deadline_gets_504_and_never_reaches_the_m
 
 def test_a_grpc_call_still_queued_at_its_own_deadline_is_dropped_as_past_its_deadline(server):
     """The call's own deadline (the client's timeout; no timeout_ms) is the request's: dropped before the model and
-    counted as deadline_exceeded, not as a caller gone (what gRPC's cancellation at the deadline made of it)."""
-    before = _metrics(server.url)
-    _idle()
-    with pytest.raises(grpc.RpcError) as err:  # one input waits for its batch to fill (1 s): longer than its 0.5 s
-        server.stub.Classify(_message(["deadline"]), metadata=(*METADATA, ("authorization", f"Bearer {KEY}")), timeout=0.5)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(1.5)  # past the batch wait: a row that had stayed queued would have run by now
-    after = _metrics(server.url)
-    assert _computed(after) == _computed(before)
-    assert _dropped(after, "deadline_exceeded") - _dropped(before, "deadline_exceeded") == 1
-    assert _dropped(after, "client_disconnected") == _dropped(before, "client_disconnected")
+    counted as deadline_exceeded, not as a caller gone (what gRPC's cancellation at the deadline made of it).
+
+    The call must reach the queue within its 0.5 s to be dropped there: on a loaded machine it has been seen not to (no
+    count moved at all, the call cancelled on its way to the replica). Such a try says nothing either way and is made
+    again, at most three times; a try that reached the queue decides."""
+    for _ in range(3):
+        before = _metrics(server.url)
+        _idle()
+        with pytest.raises(grpc.RpcError) as err:  # one input waits for its batch to fill (1 s): longer than its 0.5 s
+            server.stub.Classify(_message(["deadline"]), metadata=(*METADATA, ("authorization", f"Bearer {KEY}")), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(1.5)  # past the batch wait: a row that had stayed queued would have run by now
+        after = _metrics(server.url)
+        assert _computed(after) == _computed(before)
+        moved = {r: _dropped(after, r) - _dropped(before, r) for r in ("deadline_exceeded", "client_disconnected")}
+        if any(moved.values()):
+            break
+    assert moved == {"deadline_exceeded": 1, "client_disconnected": 0}, moved
 
 
 def test_a_client_that_hangs_up_is_dropped_before_the_model_and_counted_apart(server):
