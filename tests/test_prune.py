@@ -296,7 +296,7 @@ def test_prune_with_eval_prints_accuracy_and_latency_side_by_side(built_st, stat
     src = _jsonl(tmp_path / "l.jsonl", [{"text": s, "label": labels[k % 2]} for k, s in enumerate(SENTENCES * 2)])
     assert load_artifact(artifact).manifest["max_seq_len"] == RUNTIME_MAX_SEQ_LEN
     code, out, err = _cli(capsys, "prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--out", tmp_path / "p",
-                          "--max-seq-len", RUNTIME_MAX_SEQ_LEN, "--eval", src, "--eval-task", "nli", "--baseline", artifact, "--tasks", "nli")  # fmt: skip
+                          "--max-seq-len", RUNTIME_MAX_SEQ_LEN, "--eval", src, "--eval-task", "nli", "--baseline", artifact)  # fmt: skip
     assert code == 0, err
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith(f"nli on {src} (10 examples"))
