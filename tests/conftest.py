@@ -232,8 +232,7 @@ def arch_built(request, arch_models) -> BuiltArch:
 @pytest.fixture(scope="session")
 def arch_exported(arch_built, tmp_path_factory) -> export_helpers.Exported:
     """Each of those exported once per run (fp32; tests/made_once.py), with the manifest it wrote."""
-    key = f"arch-{arch_built.arch}-{arch_built.adapter_config}"
-    folder = export_once(tmp_path_factory, key, arch_built.spec, max_seq_len=export_helpers.ARCH_MAX_SEQ_LEN)
+    folder = export_helpers.arch_export(tmp_path_factory, arch_built.spec, arch_built.arch, arch_built.adapter_config)
     return export_helpers.Exported(folder.resolve(), json.loads((folder / MANIFEST).read_text()))
 
 

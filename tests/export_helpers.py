@@ -1,6 +1,6 @@
-"""Shared by the export tests (test_export.py, test_export_errors.py): the settings of the tiny model's export (the
-``exported`` fixture in conftest.py), running the command line, and the default int8 export that test_int8.py and
-test_int8_rowwise.py both check."""
+"""Shared by the export tests (test_export.py, test_export_errors.py, test_backbones*.py): the settings of the tiny
+model's export (the ``exported`` fixture in conftest.py), each backbone's fp32 export made once (``arch_exported``),
+running the command line, and the default int8 export that test_int8.py and test_int8_rowwise.py both check."""
 
 import copy
 from dataclasses import dataclass
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionserve.cli.main import main
+from tests.made_once import export_once
 
 MAX_SEQ_LEN = 64  # the parity grid then runs sequences 5 and 37
 ARCH_MAX_SEQ_LEN = 40  # every backbone's tiny model covers 64 tokens; the grid runs 5 and 37
@@ -18,6 +19,12 @@ OPSET = 17
 class Exported:
     folder: Path
     manifest: dict[str, Any]  # what export_artifact returned
+
+
+def arch_export(tmp_path_factory: Any, spec: Path, arch: str, adapter_config: str) -> Path:
+    """The fp32 export of backbone_models' ``arch`` x ``adapter_config`` model (``spec``), made once per test run
+    (tests/made_once.py) and only read: conftest's ``arch_exported`` and the command-line tests of test_backbones*."""
+    return export_once(tmp_path_factory, f"arch-{arch}-{adapter_config}", spec, max_seq_len=ARCH_MAX_SEQ_LEN)
 
 
 def _cli(capsys, *argv):

@@ -16,7 +16,7 @@ from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.backbone_models import ARCHS, LAYERS, TASKS
-from tests.export_helpers import ARCH_MAX_SEQ_LEN, _cli
+from tests.export_helpers import ARCH_MAX_SEQ_LEN, _cli, arch_export
 
 TOL = 1e-4
 INPUTS_WITH_TYPES = ["input_ids", "attention_mask", "token_type_ids", "task_id"]
@@ -75,8 +75,12 @@ def test_runtime_matches_adapterhub(arch_built, arch_exported):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp16_export_for_every_backbone(arch_models, arch, tmp_path):
+    """The task it reads, dyn (a fusion of all three adapters: the backbone, every adapter and a fusion at every site go
+    fp16), exported alone: the other tasks' fp16 parity is test_export.py's and test_head_kinds_export.py's."""
     built = arch_models(arch, "double_seq_bn")
-    manifest = export_artifact(built.spec, tmp_path / "fp16", precision="fp16", max_seq_len=ARCH_MAX_SEQ_LEN, progress=False)
+    manifest = export_artifact(
+        built.spec, tmp_path / "fp16", precision="fp16", max_seq_len=ARCH_MAX_SEQ_LEN, progress=False, tasks=["dyn"]
+    )
     assert manifest["precision"] == "fp16" and manifest["fused_operators"]["summary"].startswith("all fused")
     runner = OnnxRunner(tmp_path / "fp16", device="cpu")
     for inputs, _ in _cases():
@@ -84,12 +88,13 @@ def test_fp16_export_for_every_backbone(arch_models, arch, tmp_path):
         assert np.abs(got - _reference(built, "dyn", inputs)).max() <= 5e-2
 
 
-def test_command_line_on_a_houlsby_roberta(arch_models, tmp_path, capsys):
+def test_command_line_on_a_houlsby_roberta(arch_models, tmp_path_factory, tmp_path, capsys):
     """inspect (spec and artifact), predict, calibrate, prune and score on a RoBERTa with Houlsby adapters: six
-    fusion layers (after attention and after the FFN of each of 3 layers), pruned with the last one dropped."""
+    fusion layers (after attention and after the FFN of each of 3 layers), pruned with the last one dropped. The
+    artifact is ``arch_exported``'s for roberta-double_seq_bn (the same export, made once per run): the command line's
+    `export` is test_export.py's and test_backbones_int8.py's."""
     built = arch_models("roberta", "double_seq_bn")
-    art = tmp_path / "art"
-    assert _cli(capsys, "export", built.spec, "--out", art, "--max-seq-len", ARCH_MAX_SEQ_LEN)[0] == 0
+    art = arch_export(tmp_path_factory, built.spec, "roberta", "double_seq_bn")
     code, out, _ = _cli(capsys, "inspect", built.spec)
     assert code == 0 and "roberta, 3 layers" in out and "L1a:alpha+gamma" in out and "after attention and FFN" in out
     code, out, _ = _cli(capsys, "inspect", art)
@@ -110,7 +115,7 @@ def test_command_line_on_a_houlsby_roberta(arch_models, tmp_path, capsys):
     assert len(json.loads(stats.read_text())["tasks"]["dyn"]["mean"]) == 2 * LAYERS
     pruned = tmp_path / "pruned"
     code, out, err = _cli(capsys, "prune", built.spec, "--stats", stats, "--keep-top", "2", "--drop-layers", "-1",
-                          "--out", pruned, "--max-seq-len", ARCH_MAX_SEQ_LEN)  # fmt: skip
+                          "--out", pruned, "--max-seq-len", ARCH_MAX_SEQ_LEN, "--tasks", "dyn")  # fmt: skip
     assert code == 0, err
     assert "  layer 0 attention: " in out and "  layer 2 output: - (fusion dropped)" in out
     manifest = load_artifact(pruned).manifest

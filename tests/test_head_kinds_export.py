@@ -16,7 +16,7 @@ from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
 from tests.export_helpers import _cli
 from tests.head_kinds import CONTEXTS, HEADS, TAGS, add_heads, kind
-from tests.live_helpers import make_live
+from tests.live_helpers import live_once
 
 TOL = 1e-4
 MAX_SEQ_LEN = 40
@@ -175,11 +175,11 @@ def test_an_int8_gate_fails_by_kind_and_names_it():
     assert "regression: correlation with fp32 -1.0000 over 2 rows" in bad[2]
 
 
-def test_tasks_add_takes_a_multiple_choice_and_a_regression_head_on_a_live_artifact(tmp_path, capsys):
+def test_tasks_add_takes_a_multiple_choice_and_a_regression_head_on_a_live_artifact(tmp_path_factory, tmp_path, capsys):
     """A live artifact exported with classification tasks only: a multiple-choice target and a regression target are
     added (their heads have the default classification head's form) and answer as AdapterHub; a tagging head has no
     place in its graph and is refused in one line."""
-    live = make_live(tmp_path / "m")
+    live = live_once(tmp_path_factory, tmp_path / "m")  # its own build (add_heads adds to it); the export made once
     hk = add_heads(live.built.reference, live.root, live.built.tokenizer, classification="rte")
     art = live.copy(tmp_path / "art")
     r = live.root

@@ -23,14 +23,15 @@ from fusionserve.serving.model.artifact import ArtifactError, load_artifact
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests import live_helpers
 from tests.import_helpers import TORCH, cli_without, imported
-from tests.live_helpers import FIRST, LiveModel, answers, make_live
+from tests.live_helpers import FIRST, LiveModel, answers, live_once, make_live
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> LiveModel:
-    return make_live(tmp_path_factory.mktemp("live"))
+    """The live export of FIRST, made once per run (shared with test_head_kinds_export): every test copies it."""
+    return live_once(tmp_path_factory, tmp_path_factory.mktemp("live"))
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -180,26 +181,32 @@ def test_every_refusal_exits_2_naming_the_problem_and_leaves_the_revision_served
     assert code == 2 and "no task 'nope' to remove" in err and _state(art) == state
 
 
-@pytest.mark.slow
+# another `fusionserve tasks` command at work: a fresh interpreter that takes the artifact's lock, says so, and holds it
+# until its stdin closes (only revisions.py imported: no torch)
+_HOLDER = (
+    "import sys\nfrom pathlib import Path\nfrom fusionserve.serving.model.revisions import TasksLock\n"
+    "with TasksLock(Path(sys.argv[1])):\n    print('held', flush=True)\n    sys.stdin.read()\n"
+)
+
+
 def test_a_second_tasks_command_is_refused_while_one_holds_the_lock(live, tmp_path, capsys):
+    """The lock is held by another process (the kernel's flock, as between two commands); the refused command runs
+    here, in-process (`main`), as its own interpreter would run it."""
     art = live.copy(tmp_path / "art")
     state = _state(art)
-    with revisions.TasksLock(art):  # another command at work, in another process
-        cmd = [
-            sys.executable,
-            "-m",
-            "fusionserve.cli.main",
-            "tasks",
-            "add",
-            str(art),
-            "h",
-            "--head",
-            str(live.root / "heads/head_only"),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "another `fusionserve tasks` command" in done.stderr and "revisions/lock" in done.stderr
+    add = ["tasks", "add", art, "h", "--head", live.root / "heads/head_only"]
+    with subprocess.Popen([sys.executable, "-c", _HOLDER, str(art)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as holder:  # fmt: skip
+        try:
+            assert holder.stdout.readline() == "held\n"
+            code, _, err = _cli(capsys, *add)
+        finally:
+            holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    assert code == 2 and "another `fusionserve tasks` command" in err and "revisions/lock" in err
+    assert f"(pid {holder.pid})" in err and err.count("\n") == 1  # it names the holder, in one line
     assert _state(art) == state
-    assert _cli(capsys, "tasks", "add", art, "h", "--head", live.root / "heads/head_only")[0] == 0  # free again
+    assert _cli(capsys, *add)[0] == 0  # free again
 
 
 def test_a_crash_between_writing_and_publishing_leaves_the_old_revision_served_and_usable(live, tmp_path, capsys):

@@ -25,6 +25,7 @@ from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, write_base
 from tests.prune_helpers import MAX_SEQ_LEN, _cli, _jsonl, _texts
 from tests.reference import plain_fusion
+from tests.runtime_helpers import MAX_SEQ_LEN as RUNTIME_MAX_SEQ_LEN
 
 CASES = [[TextInput(s) for s in SENTENCES], [TextInput(a, b) for a, b in PAIRS]]
 
@@ -288,13 +289,14 @@ def test_prune_rule_needs_exactly_one_criterion():
 
 
 @pytest.mark.slow
-def test_prune_with_eval_prints_accuracy_and_latency_side_by_side(built_st, stats, tmp_path, capsys):
+def test_prune_with_eval_prints_accuracy_and_latency_side_by_side(built_st, stats, artifact, tmp_path, capsys):
+    """The unpruned baseline is conftest's ``artifact`` (this spec exported at runtime_helpers.MAX_SEQ_LEN, made once
+    per run); the pruned model is exported at the same token limit, so that only pruning differs."""
     labels = TASKS["nli"][3]
     src = _jsonl(tmp_path / "l.jsonl", [{"text": s, "label": labels[k % 2]} for k, s in enumerate(SENTENCES * 2)])
-    baseline = tmp_path / "base"
-    assert _cli(capsys, "export", built_st.spec, "--out", baseline, "--max-seq-len", MAX_SEQ_LEN)[0] == 0
+    assert load_artifact(artifact).manifest["max_seq_len"] == RUNTIME_MAX_SEQ_LEN
     code, out, err = _cli(capsys, "prune", built_st.spec, "--stats", stats, "--keep-top", "1", "--out", tmp_path / "p",
-                          "--max-seq-len", MAX_SEQ_LEN, "--eval", src, "--eval-task", "nli", "--baseline", baseline)  # fmt: skip
+                          "--max-seq-len", RUNTIME_MAX_SEQ_LEN, "--eval", src, "--eval-task", "nli", "--baseline", artifact)  # fmt: skip
     assert code == 0, err
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith(f"nli on {src} (10 examples"))
