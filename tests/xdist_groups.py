@@ -1,4 +1,4 @@
-"""Whole groups per pytest-xdist worker (``pytest -n N``; CI runs ``-n 4``): each test module runs whole on one
+"""Whole groups per pytest-xdist worker (``pytest -n N``; CI runs ``-n 3``): each test module runs whole on one
 worker, in its order, so its module fixtures (a server, a Ray cluster) start once; the tests on the shared server
 (conftest's ``shared_server``) run as one group, and so do the modules of one ``xdist_group`` mark (several modules on
 one of conftest's shared servers, or on its ``local_ray``), ``stops_shared_server`` last, so that each starts once in
