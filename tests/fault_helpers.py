@@ -194,11 +194,20 @@ def kill_replica(server_pid: int) -> list[int]:
     return [pid]
 
 
-def kill_all(pids: list[int]) -> list[int]:
-    """kill -9 of ``pids``, found beforehand (a fault at a chosen moment: reading /proc for them takes a while)."""
+def kill_all(pids: list[int], again: Callable[[], list[int]] | None = None) -> list[int]:
+    """kill -9 of ``pids``, found beforehand (a fault at a chosen moment: reading /proc for them takes a while); the
+    ones killed. Where one of them is gone by then (an HAProxy replaced by a reload since: seen in CI), ``again``
+    finds the ones to kill now, and those are killed too: the fault still meets what serves."""
+    killed, gone = [], False
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            gone = True
+    if gone and again is not None:
+        killed += kill_all([pid for pid in again() if pid not in killed])
+    return killed
 
 
 def haproxy_pids(server_pid: int) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_helpers import STOP_S, within
+from tests.fault_helpers import STOP_S, kill_all, within
 from tests.serving_helpers import carrying, descendants, free_port, is_loopback
 
 pytestmark = pytest.mark.slow
@@ -75,3 +75,18 @@ def test_with_a_loopback_host_the_replicas_own_grpc_port_is_on_loopback(shared_s
             timeout=60,
         )
     assert len(answer.predictions) == 1
+
+
+def test_a_kill_aimed_at_a_process_gone_since_kills_what_runs_now():
+    """The fault tests find what they kill before their load starts; an HAProxy replaced by a reload meanwhile was
+    gone at the kill (CI). kill_all then kills what ``again`` finds now, and says which it killed."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    now = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert kill_all([gone.pid], lambda: [now.pid]) == [now.pid]
+        assert now.wait(30) == -signal.SIGKILL
+        assert kill_all([gone.pid]) == []
+    finally:
+        if now.poll() is None:
+            now.kill()
