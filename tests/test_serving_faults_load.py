@@ -109,8 +109,8 @@ def test_two_replicas_both_serve(server):
 def test_a_killed_replica_is_replaced_and_the_other_serves_meanwhile(server):
     served = server["served"]
     killed = []
-    aimed = [replica_pid(served.proc.pid)]  # found before the load: the kill comes at the moment chosen
-    again = lambda: [replica_pid(served.proc.pid)]  # noqa: E731  # the replica now, if that one is gone
+    again = lambda: [replica_pid(served.proc.pid)]  # noqa: E731  # the replica now: again at the kill, if it is gone
+    aimed = again()  # found before the load: the kill comes at the moment chosen
     result = _under_load(served, "replica", lambda: killed.extend(kill_all(aimed, again)))
     assert result["outage_s"] < 10, result  # the other replica answers meanwhile
     assert killed and not alive(set(killed))
@@ -124,8 +124,8 @@ def test_a_killed_haproxy_is_started_again(server):
     folder = haproxy_config(served.proc.pid).parent.parent
     assert within(lambda: routed_replicas(folder, APP_NAME) == 2, 120) is not None, routed_replicas(folder, APP_NAME)
     killed = []
-    aimed = haproxy_pids_once_up(served.proc.pid)
-    again = lambda: haproxy_pids_once_up(served.proc.pid)  # noqa: E731  # where a reload replaced it since
+    again = lambda: haproxy_pids_once_up(served.proc.pid)  # noqa: E731  # again at the kill, if a reload replaced it
+    aimed = again()
     _under_load(served, "HAProxy", lambda: killed.extend(kill_all(aimed, again)))
     assert killed and not alive(set(killed))
 
