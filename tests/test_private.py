@@ -310,6 +310,71 @@ def test_onnxruntimes_optimizer_takes_what_the_exporter_passes():
         assert callable(optimizer.MODEL_TYPES[kind][0].get_fused_operator_statistics)
 
 
+def _add_then(norm: str) -> object:
+    """Add(a, b) -> ``norm`` (LayerNormalization, or SimplifiedLayerNormalization: RMSNorm) over two (batch, seq, 4)
+    inputs: what the SkipLayerNormalization passes fuse, and nothing else."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", "seq", 4]) for n in ("a", "b", "y")]
+    weights = [numpy_helper.from_array(np.full(4, v, np.float32), n) for n, v in (("gamma", 1.5), ("beta", 0.5))]
+    norm_inputs = ["sum", "gamma", "beta"] if norm == "LayerNormalization" else ["sum", "gamma"]
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["sum"], name="add"),
+        helper.make_node(norm, norm_inputs, ["y"], name="norm", axis=-1, epsilon=1e-5),
+    ]
+    graph = helper.make_graph(nodes, "g", io[:2], io[2:], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_onnxruntimes_optimizer_skips_the_passes_the_exporter_turns_off_and_writes_the_same_graph(monkeypatch):
+    """export/onnx_export.py's FusionOptions (IDLE_PASSES off) and ``skip_simplified_norms_where_present``: the optimizer
+    runs neither idle pass, nor the SkipSimplifiedLayerNormalization pass on a graph without SimplifiedLayerNormalization
+    (its shape inference: the cost it is skipped for), but runs that pass on a graph with one; and it writes what it
+    writes with every pass. An upgrade that renamed an option, or the pass, fails here (the export would be slower)."""
+    from fusionserve.export.onnx_export import fusion_options
+
+    tool = importlib.import_module(private.ORT_OPTIMIZER)
+    cls = tool.MODEL_TYPES["bert"][0]
+    ran = []
+
+    def spy(name: str) -> object:
+        run = getattr(cls, name)
+        return lambda self, *args: ran.append(name) or run(self, *args)
+
+    for name in ("fuse_rotary_embeddings", "fuse_qordered_mamtul", "fuse_skip_layer_norm", "fuse_skip_simplified_layer_norm"):
+        monkeypatch.setattr(cls, name, spy(name))
+    spied = cls.fuse_skip_simplified_layer_norm
+    for norm, fused in (("LayerNormalization", "SkipLayerNormalization"), ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")):  # fmt: skip
+        ran.clear()
+        every = tool.optimize_model(_add_then(norm), model_type="bert", num_heads=1, hidden_size=4, opt_level=0).model
+        assert len(ran) == 4
+        ran.clear()
+        with private.skip_simplified_norms_where_present(tool, "bert"):
+            assert cls.fuse_skip_simplified_layer_norm is not spied
+            with private.skip_simplified_norms_where_present(tool, "bert"):  # a second export meanwhile: one wrap
+                assert cls.fuse_skip_simplified_layer_norm.__wrapped__ is spied
+            options = fusion_options(tool, "bert")
+            lean = tool.optimize_model(_add_then(norm), "bert", 1, 4, optimization_options=options, opt_level=0).model
+        assert cls.fuse_skip_simplified_layer_norm is spied  # put back
+        where = ["fuse_skip_simplified_layer_norm"] if norm == "SimplifiedLayerNormalization" else []
+        assert ran == ["fuse_skip_layer_norm", *where], norm
+        assert [n.op_type for n in lean.graph.node] == [fused]
+        assert lean.SerializeToString() == every.SerializeToString()
+
+
+def test_every_shape_inference_of_onnxruntimes_optimizer_is_its_own():
+    """``skip_simplified_norms_where_present`` leaves out a pass's shape inference: safe only while every pass that reads
+    one makes its own of the graph as it is then (``update=True``) instead of reading the one before it."""
+    folder = Path(importlib.import_module(private.ORT_OPTIMIZER).__file__).parent
+    calls = [
+        (p.name, c)
+        for p in sorted(folder.glob("*.py"))
+        for c in re.findall(r"(?<!def )infer_runtime_shape\(([^)]*)\)", p.read_text())
+    ]
+    assert len(calls) >= 6  # the optimizer's passes that ask for one (fusion_skiplayernorm.py, onnx_model.py, ...)
+    assert [(name, c) for name, c in calls if "update=True" not in c] == [], "a pass reads a shape inference it did not make"
+
+
 def test_onnxruntimes_integer_gemm_takes_one_a_scale_per_row():
     """MatMulIntegerToFloat with a (rows, 1) A scale scales each row by its own (export/int8/rowwise.py's rows): with
     one scale for all rows, rows 1 and 2 would be 10x and 100x off."""
