@@ -157,6 +157,10 @@ def _alpha(text: str) -> float:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if args.precision == "bf16":  # a CPU that cannot run bf16: refused at once, before the export's imports (torch)
+        from fusionserve.serving.model.openvino_runtime import require_bf16_here
+
+        require_bf16_here()
     from fusionserve.export.artifact import export_artifact
 
     manifest = export_artifact(

@@ -22,7 +22,7 @@ from fusionserve.serving.model.runtime import make_session
 from fusionserve.serving.model.tables import WithTables, stack, table_specs
 from fusionserve.serving.model.tokenize import Encoder
 
-from .bf16 import Bf16Gate, bf16_graph
+from .bf16 import Bf16Gate, Bf16GateError, bf16_graph
 from .build import Dropped
 from .int8.quantize import DEFAULT_OPTIONS, Int8Options, int8_graph
 from .int8.rowwise import MIN_OPSET as ROW_MIN_OPSET
@@ -100,10 +100,10 @@ def _check_options(precision: str, opset: int, out: Path, force: bool, parity_gr
         raise FusionServeError(f"--parity-grid must be one of {', '.join(GRIDS)}, got '{parity_grid}'")
     if precision not in PRECISIONS:
         raise FusionServeError(f"--precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
-    if precision == "bf16":  # before anything is built: the bf16 gate runs the graph with OpenVINO
-        from fusionserve.serving.model.openvino_runtime import require_openvino
+    if precision == "bf16":  # before anything is built: the bf16 gate runs the graph with OpenVINO, in bf16
+        from fusionserve.serving.model.openvino_runtime import require_bf16_here
 
-        require_openvino("--precision bf16")
+        require_bf16_here(Bf16GateError)
     if opset not in OPSETS:
         raise FusionServeError(f"--opset must be between {OPSETS[0]} and {OPSETS[-1]}, got {opset}")
     if precision == "int8" and opset < ROW_MIN_OPSET:

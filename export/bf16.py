@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fusionserve.serving.model.cpu_flags import cpu_bf16_units
-from fusionserve.serving.model.openvino_runtime import compile_graph, device_capabilities, openvino_version
+from fusionserve.serving.model.openvino_runtime import compile_graph, device_capabilities, no_bf16_here, openvino_version
 
 from .int8.gate import compare_grid
 from .model import FusionModel
@@ -150,12 +150,8 @@ def bf16_graph(
     when it fails the gate, or when this CPU runs it in fp32 (nothing to check); MissingDependency without OpenVINO."""
     session = compile_graph(graph, "bf16", cache=False)
     units = cpu_bf16_units()
-    if session.inference_precision != "bf16":
-        raise Bf16GateError(
-            f"OpenVINO compiles {graph.name} in {session.inference_precision} on this CPU (it has no bf16 units and "
-            "cannot emulate them without AVX-512), so the bf16 gate cannot be checked here: export bf16 on a CPU with "
-            "bf16 units (amx_bf16 or avx512_bf16) or AVX-512; no artifact written"
-        )
+    if session.inference_precision != "bf16":  # (export_artifact refused it before the export already)
+        raise Bf16GateError(no_bf16_here(graph.name, session.inference_precision))
     checked = getattr(fp32, "like", lambda s: s)(session)  # a live graph: fed its tables too
     report = check_bf16(checked, fp32, model, max_seq_len, gate, progress)
     runtime = {

@@ -66,9 +66,11 @@ def start_head(cpus: int, http_port: int, grpc_port: int, env: dict[str, str] | 
     node = Node("head", temp, node_env, http_port=http_port, grpc_port=grpc_port, patterns=[str(temp)])
     port = free_port()
     node.address = f"{_node_ip()}:{port}"
+    # no autoscaler monitor: these clusters have no autoscaler (their nodes are started here, by hand), and Serve's
+    # autoscaling is Serve's controller's; fusionserve's own local Ray leaves it out too (serving/private.py lean_head)
     _ray_start(node, "--head", "--port", str(port), "--num-cpus", str(cpus), "--resources", json.dumps({"head": 1}),
                "--include-dashboard", "false", "--dashboard-port", str(free_port()),
-               "--ray-client-server-port", str(free_port()))  # fmt: skip
+               "--ray-client-server-port", str(free_port()), "--no-monitor")  # fmt: skip
     return node
 
 
@@ -81,7 +83,10 @@ def start_worker(head: Node, cpus: int) -> Node:
         "RAY_SERVE_WORKER_PROXY_GRPC_PORT": str(grpc_port),
     }
     node = Node("worker", temp, env, head.address, http, grpc_port, [str(temp)])
-    _ray_start(node, "--address", head.address, "--num-cpus", str(cpus), "--resources", json.dumps({"worker": 1}))
+    # no log monitor (`ray start --help`: one per physical host, and the head has this machine's): the output of
+    # this node's workers stays in its log files, under temp_dir, and is not streamed to the drivers (no test reads it)
+    _ray_start(node, "--address", head.address, "--num-cpus", str(cpus), "--resources", json.dumps({"worker": 1}),
+               "--include-log-monitor", "false")  # fmt: skip
     return node
 
 

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import signal
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -298,3 +299,81 @@ def group_signal_stops(served, sig: int, mark: str) -> None:
     assert code == 0 and "Traceback" not in served.log.read_text(), served.log.read_text()[-3000:]
     assert gone_s is not None, carrying(mark)
     assert not folder.exists()
+
+
+# --- a crash of the serving loop, on cue (tests/test_live_serving.py, merged from tests/test_process_cleanup.py) -------
+
+CUE_ENV = "FUSIONSERVE_TEST_CRASH_CUE"  # the file whose creation crashes the serving loop
+# Loaded by every Python process of the server (PYTHONPATH): once the server's module is imported, its serving loop's
+# per-second check raises as soon as the cue file exists, as an unexpected error in the loop would.
+_CRASH = textwrap.dedent(
+    """
+    import importlib.abc, importlib.util, os, sys
+
+    TARGET = "fusionserve.serving.process.server"
+    CUE = os.environ.get("FUSIONSERVE_TEST_CRASH_CUE")
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != TARGET:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                check = module._ray_died
+
+                def _crash_on_cue():
+                    if os.path.exists(CUE):
+                        raise RuntimeError("the serving loop crashed (made to, by tests/fault_helpers.py)")
+                    return check()
+
+                module._ray_died = _crash_on_cue
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    if CUE:
+        sys.meta_path.insert(0, _Hook())
+    """
+)
+
+
+def crash_on_cue(folder: Path, env: dict[str, str]) -> Path:
+    """Set ``env`` (a server's environment, changed in place) to load the crash hook from ``folder``; returns the cue:
+    the file whose creation makes the serving loop of a server started with ``env`` raise."""
+    hook = folder / "crash-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_CRASH)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH")) if p)
+    env[CUE_ENV] = str(folder / "crash-now")
+    return folder / "crash-now"
+
+
+def crash_leaves_nothing(served, cue: Path, mark: str) -> None:
+    """Crash the serving loop of ``served`` (started with ``crash_on_cue``'s environment carrying ``mark``, as the
+    leader of its own process group, as systemd starts it): it exits 1 (so that ``Restart=on-failure`` restarts it),
+    saying so, and within 30 s nothing carrying the mark is left and its run folder is gone. An uncaught exception in
+    the serving loop ended the supervised server with exit 0 (its exit code stayed 0 unless a start-up failure set
+    it), so the supervisor exited 0 and Restart=on-failure did not restart it."""
+    import subprocess
+
+    import pytest
+
+    from tests.serving_helpers import carrying, haproxy_config
+
+    folder = haproxy_config(served.proc.pid).parent.parent
+    cue.touch()
+    try:
+        code = served.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 120 s after its serving loop crashed:\n{served.log.read_text()[-3000:]}")
+    text = served.log.read_text()
+    assert code == 1, text[-3000:]
+    assert "the serving loop crashed" in text, text[-3000:]
+    deadline = time.monotonic() + 30
+    while carrying(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not carrying(mark) and not folder.exists()

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from fusionserve.serving.process import loopback
 from fusionserve.serving.process.ports import free_port
 
 
@@ -283,3 +285,52 @@ def listeners_once_up(pid: int, ports: set[int], within_s: float = 30) -> list[t
         time.sleep(0.5)
         found = listeners(pid)
     return found
+
+
+# --- loopback means loopback: tests/test_loopback.py (--host 127.0.0.1) and tests/test_bf16_serving.py (0.0.0.0) ------
+
+needs_shim = pytest.mark.skipif(
+    loopback.packaged() is None, reason="fusionserve was installed without its loopback shim (no C compiler then)"
+)
+TEXT = {"task": "rte", "inputs": ["a fine film"]}
+
+
+def outside_ip() -> str:
+    """An address of this machine that is not loopback (where another machine would reach it)."""
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    pytest.skip("this machine has no address outside loopback")
+
+
+def classify_grpc(port: int, host: str = "127.0.0.1") -> int:
+    import grpc
+
+    from fusionserve.serving.api import fusionserve_pb2 as pb
+    from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        answer = pb_grpc.ClassifierStub(channel).Classify(
+            pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="a fine film")]), timeout=60
+        )
+    return len(answer.predictions)
+
+
+def only_the_serving_ports_beyond_loopback(served: Served, grpc_port: int, host: str) -> None:
+    """``served`` (on ``host``: 127.0.0.1 or 0.0.0.0) answers HTTP and gRPC, and nothing of its process tree listens
+    outside loopback but, on 0.0.0.0, its HTTP and gRPC ports, which then answer at the machine's own address."""
+    assert call(served.url + "/v1/classify", TEXT)[0] == 200
+    assert classify_grpc(grpc_port) == 1
+    found = listeners_once_up(served.proc.pid, {served.port, grpc_port})
+    outside = sorted({(name, ip, port) for name, ip, port in found if not is_loopback(ip)})
+    allowed = set() if host == "127.0.0.1" else {served.port, grpc_port}
+    assert {port for _, _, port in outside} == allowed, f"listening outside loopback: {outside}"
+    assert len(found) > 10  # Ray's processes were seen (psutil read the whole tree)
+    if allowed:
+        ip = outside_ip()
+        assert call(f"http://{ip}:{served.port}/v1/classify", TEXT)[0] == 200
+        assert classify_grpc(grpc_port, ip) == 1
+    assert "WARNING" not in Path(served.log).read_text()

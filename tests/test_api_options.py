@@ -170,10 +170,13 @@ def test_the_printed_config_names_the_variable_never_the_key(artifact):
     assert "default_task: rte" in out.stdout and "$FUSIONSERVE_API_KEY" in out.stdout
 
 
-def test_a_default_task_must_be_served_and_private_metrics_need_a_key(artifact):
-    base = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(artifact), "--print-config"]
-    out = subprocess.run([*base, "--default-task", "nope"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "default_task 'nope' is not a task of" in out.stderr
-    env = {k: v for k, v in __import__("os").environ.items() if k != "FUSIONSERVE_API_KEY"}
-    out = subprocess.run([*base, "--private-metrics"], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 2 and "--private-metrics needs an API key" in out.stderr
+def test_a_default_task_must_be_served_and_private_metrics_need_a_key(artifact, monkeypatch, capsys):
+    """The command's refusals (`serve --print-config` starts nothing: run in this process, as its own would run it)."""
+    from fusionserve.cli.main import main
+
+    base = ["serve", str(artifact), "--print-config"]
+    assert main([*base, "--default-task", "nope"]) == 2
+    assert "default_task 'nope' is not a task of" in capsys.readouterr().err
+    monkeypatch.delenv("FUSIONSERVE_API_KEY", raising=False)
+    assert main([*base, "--private-metrics"]) == 2
+    assert "--private-metrics needs an API key" in capsys.readouterr().err

@@ -184,6 +184,20 @@ def test_where_openvino_cannot_emulate_bf16_export_refuses_and_a_server_says_it_
     assert "runs it in fp32 here" in done.stderr and json.loads(done.stdout)["label"] in ("yes", "no")
 
 
+def test_a_bf16_export_where_openvino_compiles_f32_is_refused_before_anything_is_built(built_st, tmp_path, monkeypatch):
+    """export_artifact's own check (the command checks the same before it imports the exporter): where OpenVINO
+    compiles bf16 in f32 (here said so by ``bf16_compiled_as``; the real case is the subprocess test above), the export
+    refuses before it builds the model, with the gate's words, and writes nothing."""
+    from fusionserve.export import artifact
+    from fusionserve.serving.model import openvino_runtime
+
+    monkeypatch.setattr(openvino_runtime, "bf16_compiled_as", lambda: "f32")
+    monkeypatch.setattr(artifact, "_built", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(Bf16GateError, match=r"compiles model\.onnx in f32 on this CPU.*no artifact written"):
+        artifact.export_artifact(built_st.spec, tmp_path / "out", "bf16", max_seq_len=MAX_SEQ_LEN, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_built_in_model_is_served_in_the_fastest_precision_that_passes_on_this_cpu(arts, tmp_path, monkeypatch, capsys):
     """bf16 where the CPU has AMX bf16 tiles and OpenVINO is installed, else today's choice (int8 with VNNI, fp32
     without), said in one line by `serve`."""

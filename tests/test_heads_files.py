@@ -326,9 +326,14 @@ def test_score_on_ray_data_writes_what_the_local_run_writes_for_every_head(heads
     src = _jsonl(tmp_path / "in.jsonl", rows)
     options = {"task": ("ner", "swag", "squad", "sts"), "aggregation_strategy": "average", "top_k": 2, "all_scores": True,
                "progress": False, "chunk_size": 4}  # fmt: skip
-    for out in ("out.parquet", "out.jsonl"):
+    # the default pool, one actor per CPU (two), on the JSONL output: the order of every head's answers across actors;
+    # one actor on the Parquet output, whose nested columns (entities, answers) are what differ (each actor is a Ray
+    # worker that imports the scorer and loads the model)
+    for out, actors in (("out.parquet", 1), ("out.jsonl", None)):
         a = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"local-{out}", **options))
-        b = score_file(ScoreConfig(heads.artifact, input=src, output=tmp_path / f"ray-{out}", ray=True, **options))
+        b = score_file(
+            ScoreConfig(heads.artifact, input=src, output=tmp_path / f"ray-{out}", ray=True, ray_actors=actors, **options)
+        )
         assert (a.scored, a.failed) == (b.scored, b.failed) == (6, 1)
         local, remote = tmp_path / f"local-{out}", tmp_path / f"ray-{out}"
         if out.endswith(".parquet"):

@@ -11,8 +11,6 @@ The server waits up to 400 ms for a batch to fill (--batch-wait-ms 400): a reque
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -254,11 +252,12 @@ def test_tasks_name_their_heads(server, swag_added):
     assert tasks["ner"]["options"] == ["aggregation_strategy"] and tasks["squad"]["input"] == ["question", "context"]
 
 
-def test_tei_routes_refuse_a_default_task_that_is_not_classification(heads):
-    base = [sys.executable, "-m", "fusionserve.cli.main", "serve", str(heads.artifact), "--print-config"]
-    out = subprocess.run([*base, "--default-task", "sts"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "the default task 'sts' is regression" in out.stderr
-    assert "use POST /v1/classify" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+def test_tei_routes_refuse_a_default_task_that_is_not_classification(heads, capsys):
+    """The command's refusal (`serve --print-config` starts nothing: run in this process, as its own would run it)."""
+    code = main(["serve", str(heads.artifact), "--print-config", "--default-task", "sts"])
+    err = capsys.readouterr().err
+    assert code == 2 and "the default task 'sts' is regression" in err
+    assert "use POST /v1/classify" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_open_inference_protocol_refuses_tasks_whose_head_is_not_classification(server):

@@ -1,7 +1,10 @@
 """A real `fusionserve serve` (Ray Serve, two replicas) on a live artifact while `fusionserve tasks` adds, replaces and
 removes a task: clients on the other tasks never see a failure or a wrong answer, every replica moves to each new
 revision by itself, the new task answers as AdapterHub's Fuse does, a refused change leaves the revision served, a
-removed task is a 404 unknown_task."""
+removed task is a 404 unknown_task.
+
+Then its serving loop crashes (tests/fault_helpers.crash_leaves_nothing): the server exits 1 and leaves nothing (merged
+here from tests/test_process_cleanup.py, whose test of it started a server of its own for nothing else)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import pytest
 from fusionserve.cli.main import main
 from fusionserve.serving.model.predictions import softmax
 from tests.adapterhub_models import SENTENCES
-from tests.live_helpers import FIRST, answers, make_live
+from tests.fault_helpers import crash_leaves_nothing, crash_on_cue
+from tests.live_helpers import FIRST, answers, live_once
 from tests.serving_helpers import call, serving
 
 pytestmark = pytest.mark.slow
@@ -41,13 +45,15 @@ def _revisions_seen(url: str, polls: int = 12) -> dict[str, int]:
 
 
 def _wait_for(url: str, revision: int, replicas: int = 2, timeout_s: float = 60) -> float:
-    """Seconds until every replica serves ``revision``."""
-    started = time.monotonic()
+    """Seconds until every replica serves ``revision``: one call at a time (the ingress spreads them), each replica's
+    latest answer kept (a replica's revision only grows), until ``replicas`` of them name ``revision``. (Rounds of 12
+    calls every 0.1 s sent ~100 requests a second to the replicas while they loaded each revision.)"""
+    started, latest = time.monotonic(), {}
     while time.monotonic() - started < timeout_s:
-        seen = _revisions_seen(url)
-        if len(seen) == replicas and set(seen.values()) == {revision}:
+        latest |= _revisions_seen(url, polls=1)
+        if len(latest) == replicas and set(latest.values()) == {revision}:
             return time.monotonic() - started
-        time.sleep(0.1)
+        time.sleep(0.05)
     pytest.fail(f"replicas not on revision {revision} after {timeout_s} s: {_revisions_seen(url)}")
 
 
@@ -89,11 +95,14 @@ def _classify(url: str, task: str) -> tuple[int, dict]:
     return call(f"{url}/v1/classify", {"task": task, "inputs": SENTENCES})
 
 
-def test_add_replace_remove_on_a_running_server_under_load(tmp_path: Path):
-    live = make_live(tmp_path / "m")
-    art, root = live.artifact, live.root
+def test_add_replace_remove_on_a_running_server_under_load(tmp_path: Path, tmp_path_factory, marked):
+    live = live_once(tmp_path_factory, tmp_path / "m")  # the live export made once per run: changed here in a copy
+    art, root = live.copy(tmp_path / "artifact"), live.root
     expected = {t: softmax(answers(art, t).astype(np.float64)) for t in FIRST}
-    with serving(art, tmp_path / "serve.log", "--replicas", "2", "--threads", "1") as srv:
+    mark, env = marked
+    cue = crash_on_cue(tmp_path, env)
+    args = ("--replicas", "2", "--threads", "1")
+    with serving(art, tmp_path / "serve.log", *args, env=env, own_group=True) as srv:
         _wait_for(srv.url, 0)
         with _Clients(srv.url, expected) as clients:
             assert (
@@ -140,3 +149,4 @@ def test_add_replace_remove_on_a_running_server_under_load(tmp_path: Path):
         with urllib.request.urlopen(f"{srv.url}/metrics", timeout=30) as resp:
             metrics = resp.read().decode()
         assert "fusionserve_artifact_revision" in metrics and 'fusionserve_revision_loads_total{result="loaded"}' in metrics
+        crash_leaves_nothing(srv, cue, mark)

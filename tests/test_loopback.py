@@ -2,36 +2,21 @@
 socket outside loopback anywhere in its process tree (the supervisor, the server with its Ray driver, Ray's GCS,
 raylet, agents and workers, Serve's replicas, HAProxy); with `--host 0.0.0.0` only the serving ports are on every
 interface. Before, 18 listeners of such a server were on every interface (or on the machine's address). The shim
-itself is checked first, without Ray."""
+itself is checked first, without Ray. The `--host 0.0.0.0` server is tests/test_bf16_serving.py's, and its test is
+there (moved from here: it started a server of its own for nothing else); the checks of a server are
+tests/serving_helpers.only_the_serving_ports_beyond_loopback."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import signal
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from fusionserve.serving.process import loopback
 from fusionserve.serving.process.server import ServerConfig
-from tests.fault_helpers import group_signal_stops
-from tests.serving_helpers import (
-    Served,
-    call,
-    free_port,
-    is_loopback,
-    launch,
-    listeners_once_up,
-)
-
-needs_shim = pytest.mark.skipif(
-    loopback.packaged() is None, reason="fusionserve was installed without its loopback shim (no C compiler then)"
-)
-TEXT = {"task": "rte", "inputs": ["a fine film"]}
+from tests.serving_helpers import free_port, needs_shim, only_the_serving_ports_beyond_loopback
 
 # binds each socket the way a server does and prints what the kernel bound (getsockname: the shim does not lie)
 _BINDS = """
@@ -102,68 +87,9 @@ def test_the_server_options_survive_the_handoff_to_the_server_process(tmp_path):
 # --- a real server ---------------------------------------------------------------------------------------------
 
 
-def _outside_ip() -> str:
-    """An address of this machine that is not loopback (where another machine would reach it)."""
-    import psutil
-
-    for addresses in psutil.net_if_addrs().values():
-        for a in addresses:
-            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
-                return a.address
-    pytest.skip("this machine has no address outside loopback")
-
-
-def _classify_grpc(port: int, host: str = "127.0.0.1") -> int:
-    import grpc
-
-    from fusionserve.serving.api import fusionserve_pb2 as pb
-    from fusionserve.serving.api import fusionserve_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
-        answer = pb_grpc.ClassifierStub(channel).Classify(
-            pb.ClassifyRequest(task="rte", inputs=[pb.Input(text="a fine film")]), timeout=60
-        )
-    return len(answer.predictions)
-
-
-def _only_the_serving_ports_beyond_loopback(served: Served, grpc_port: int, host: str) -> None:
-    assert call(served.url + "/v1/classify", TEXT)[0] == 200
-    assert _classify_grpc(grpc_port) == 1
-    found = listeners_once_up(served.proc.pid, {served.port, grpc_port})
-    outside = sorted({(name, ip, port) for name, ip, port in found if not is_loopback(ip)})
-    allowed = set() if host == "127.0.0.1" else {served.port, grpc_port}
-    assert {port for _, _, port in outside} == allowed, f"listening outside loopback: {outside}"
-    assert len(found) > 10  # Ray's processes were seen (psutil read the whole tree)
-    if allowed:
-        ip = _outside_ip()
-        assert call(f"http://{ip}:{served.port}/v1/classify", TEXT)[0] == 200
-        assert _classify_grpc(grpc_port, ip) == 1
-    assert "WARNING" not in Path(served.log).read_text()
-
-
 @pytest.mark.slow
 @needs_shim
 def test_with_host_127_0_0_1_nothing_listens_beyond_loopback(shared_server):
     """With --host 127.0.0.1 (the default: the shared server of conftest.py) nothing of the server's process tree
     listens outside loopback, and it answers HTTP and gRPC."""
-    _only_the_serving_ports_beyond_loopback(shared_server, shared_server.grpc_port, "127.0.0.1")
-
-
-@pytest.mark.slow
-@needs_shim
-def test_with_host_0_0_0_0_only_the_serving_ports_listen_beyond_loopback(artifact, tmp_path, marked):
-    """With --host 0.0.0.0 only the HTTP and gRPC ports are outside loopback, and they answer HTTP and gRPC at the
-    machine's own address. Then SIGINT to the server's process group (Ctrl-C in a terminal) stops everything of it with
-    exit 0 (tests/fault_helpers.group_signal_stops; merged here from tests/test_serving_faults.py, whose test of it
-    started a server of its own for nothing else)."""
-    grpc_port = free_port("0.0.0.0")
-    mark, env = marked
-    args = ("--host", "0.0.0.0", "--grpc-port", str(grpc_port))
-    served = launch(artifact, tmp_path / "serve.log", *args, env=env, own_group=True)
-    try:
-        _only_the_serving_ports_beyond_loopback(served, grpc_port, "0.0.0.0")
-        group_signal_stops(served, signal.SIGINT, mark)
-    finally:
-        if served.proc.poll() is None:
-            served.proc.send_signal(signal.SIGTERM)
-            served.proc.wait(60)
+    only_the_serving_ports_beyond_loopback(shared_server, shared_server.grpc_port, "127.0.0.1")

@@ -1,9 +1,10 @@
-"""The process machinery's own faults: a server whose serving loop crashes exits non-zero (so that systemd's
-``Restart=on-failure`` restarts it) and leaves nothing; clean-up ends only the processes a run started (a ``tail -f``
-of its HAProxy config, or an embedding program's other children, are not the run's: the latter checked on the embedded
-server of tests/test_drawn_port_taken.py); each test ends only what it started, by pid."""
+"""The process machinery's own faults: clean-up ends only the processes a run started (a ``tail -f`` of its HAProxy
+config, or an embedding program's other children, are not the run's: the latter checked on the embedded server of
+tests/test_drawn_port_taken.py); each test ends only what it started, by pid. A server whose serving loop crashes exits
+non-zero (so that systemd's ``Restart=on-failure`` restarts it) and leaves nothing: checked at the end of
+tests/test_live_serving.py, on its server (tests/fault_helpers.crash_leaves_nothing; it started a server of its own
+here)."""
 
-import os
 import shutil
 import signal
 import subprocess
@@ -14,61 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving_helpers import carrying, free_port, haproxy_config, launch
-
-# Loaded by every Python process of the server (PYTHONPATH): once the server's module is imported, its serving loop's
-# per-second check raises, as an unexpected error in the loop would.
-CRASH = textwrap.dedent(
-    """
-    import importlib.abc, importlib.util, sys
-
-    TARGET = "fusionserve.serving.process.server"
-
-    def _crash(*args, **kwargs):
-        raise RuntimeError("the serving loop crashed (made to, by tests/test_process_cleanup.py)")
-
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != TARGET:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                module._ray_died = _crash
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Hook())
-    """
-)
-
-
-@pytest.mark.slow
-def test_a_crash_of_the_serving_loop_exits_1_and_leaves_nothing(artifact, tmp_path, marked):
-    """An uncaught exception in the serving loop ended the supervised server with exit 0 (its exit code stayed 0
-    unless a start-up failure set it), so the supervisor exited 0 and Restart=on-failure did not restart it."""
-    mark, env = marked
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(CRASH)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH")) if p)
-    served = launch(artifact, tmp_path / "serve.log", env=env, own_group=True)
-    folder = haproxy_config(served.proc.pid).parent.parent
-    try:
-        code = served.proc.wait(120)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running 120 s after its serving loop crashed:\n{served.log.read_text()[-3000:]}")
-    text = served.log.read_text()
-    assert code == 1, text[-3000:]
-    assert "the serving loop crashed" in text, text[-3000:]
-    deadline = time.monotonic() + 30
-    while carrying(mark) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not carrying(mark) and not folder.exists()
+from tests.serving_helpers import free_port
 
 
 def _fake_haproxy(folder: Path) -> subprocess.Popen:
@@ -211,9 +158,10 @@ def test_a_signal_while_the_serving_loop_holds_a_lock_stops_the_server(artifact,
     script = tmp_path / "worst_moment.py"
     script.write_text(WORST_MOMENT)
     proc = subprocess.Popen([sys.executable, str(script), str(artifact)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    time.sleep(5)  # the hook's signal has come by now (the loop wakes every second), where the loop takes one
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # and another, as the next start's reap sends it
+    try:  # the hook's signal comes at the loop's first wait (it wakes every second), and stops the server
+        proc.wait(5)
+    except subprocess.TimeoutExpired:  # not stopped in 5 s: another, as the next start's reap sends it
+        proc.send_signal(signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:

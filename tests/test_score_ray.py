@@ -25,8 +25,8 @@ def test_ray_data_path_gives_the_local_output(artifact, tmp_path, local_ray):
     for src in (jsonl, parquet, csv):
         local, remote = tmp_path / f"local{src.suffix}", tmp_path / f"ray{src.suffix}"
         # the default pool, one actor per CPU (two), on the JSONL input: the output order across actors is checked
-        # there and in the several-task run below; one actor on Parquet and CSV, whose reading and parsing are what
-        # differ (each actor is a Ray worker that imports the scorer and loads an ONNX Runtime session)
+        # there; one actor on Parquet and CSV, whose reading and parsing are what differ, and on the several-task run
+        # below, whose columns are (each actor is a Ray worker that imports the scorer and loads an ONNX Runtime session)
         actors = None if src is jsonl else 1
         a = score_file(_cfg(artifact, src, local, activations=True, max_row_bytes=400))
         b = score_file(_cfg(artifact, src, remote, activations=True, max_row_bytes=400, ray=True, ray_actors=actors))
@@ -40,7 +40,7 @@ def test_ray_data_path_gives_the_local_output(artifact, tmp_path, local_ray):
         assert side_files(remote)[0].read_bytes() == side_files(local)[0].read_bytes()
     several = {"task": ("rte", "alpha_only"), "all_scores": True}  # several tasks: their columns, the same either way
     a = score_file(_cfg(artifact, jsonl, tmp_path / "local-2.jsonl", **several))
-    b = score_file(_cfg(artifact, jsonl, tmp_path / "ray-2.jsonl", ray=True, **several))
+    b = score_file(_cfg(artifact, jsonl, tmp_path / "ray-2.jsonl", ray=True, ray_actors=1, **several))
     assert (b.scored, b.failed) == (a.scored, a.failed)
     assert (tmp_path / "ray-2.jsonl").read_bytes() == (tmp_path / "local-2.jsonl").read_bytes()
     unfinished = tmp_path / "unfinished.jsonl"

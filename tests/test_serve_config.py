@@ -84,7 +84,7 @@ def _wait_answering(url: str, timeout_s: float) -> None:
                 return
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(0.2)
     pytest.fail(f"{url} did not answer within {timeout_s:.0f} s")
 
 

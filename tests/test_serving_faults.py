@@ -2,9 +2,9 @@
 started as the leader of its own group, as a terminal, systemd or a container runtime starts it) while it starts and
 while it serves. Nothing of a run may outlive it, a stop must end with exit 0. ``kill -9`` of the server and of its
 whole group, each followed by a restart on the same port, and a group SIGTERM while serving: in the sequence of
-tests/test_serving_faults_load.py, on its server (one start less each). A group SIGINT while serving: on the server of
-tests/test_loopback.py's ``--host 0.0.0.0`` test, at its end (one start less). Each test ends only the processes it
-started (by pid, found by the mark in their environment)."""
+tests/test_serving_faults_load.py, on its server (one start less each). A group SIGINT while serving: at the end of
+the ``--host 0.0.0.0`` test, on the server of tests/test_bf16_serving.py (one start less). Each test ends only the
+processes it started (by pid, found by the mark in their environment)."""
 
 import os
 import signal

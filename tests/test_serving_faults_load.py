@@ -51,16 +51,19 @@ PAUSE_S, IN_FLIGHT, SETTLE_S, AFTER_S = 0.5, CLIENTS // 2, 2.0, 3.0
 
 @pytest.fixture(scope="module")
 def server(artifact, tmp_path_factory):
-    """A server with 2 replicas, in a process group of its own; a test that kills it starts the next one here."""
+    """A server with 2 replicas, in a process group of its own; a test that kills it starts the next one here, with one
+    replica: what the tests after a restart check is the port, what is left of a server and serving again, which one
+    replica shows as well (the replicas' tests, replica and HAProxy kill, run on the first server)."""
     mark = new_mark()
     env = dict(os.environ, **{MARK_ENV: mark})
     logs = tmp_path_factory.mktemp("faults-load-logs")
     port = free_port()
 
-    def start(name: str):
-        return launch(artifact, logs / f"{name}.log", "--replicas", "2", "--threads", "1", port=port, env=env, own_group=True)
+    def start(name: str, replicas: int = 1):
+        args = ("--replicas", str(replicas), "--threads", "1")
+        return launch(artifact, logs / f"{name}.log", *args, port=port, env=env, own_group=True)
 
-    holder = {"served": start("first"), "start": start, "mark": mark}
+    holder = {"served": start("first", replicas=2), "start": start, "mark": mark}
     yield holder
     served = holder["served"]
     if served.proc.poll() is None:

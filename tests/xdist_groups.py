@@ -59,8 +59,8 @@ LONGEST = [
     name if name.endswith(("_server", "_ray")) else f"tests/test_{name}.py"
     for name in (
         "serving_faults_load", "serve_config", "oip_server", "serving_faults", "shared_server", "backbones_int8",
-        "backbones_export", "default_model", "cluster", "head_kinds_export", "backbones_serving", "process_cleanup",
-        "local_ray", "loopback", "keyed_server", "live_tasks", "heads_serving", "live_serving",
+        "backbones_export", "default_model", "cluster", "head_kinds_export", "backbones_serving",
+        "local_ray", "keyed_server", "live_tasks", "heads_serving", "live_serving", "bf16_serving",
         "int8_serving", "drawn_port_taken",
     )
 ]  # fmt: skip
