@@ -31,7 +31,7 @@ from .model import FusionModel
 from .onnx_export import DEFAULT_OPSET, OPSETS, FusionReport, export_raw, optimize
 from .spec import ModelSpec, load_spec
 from .tokenizer import load_tokenizer, max_length
-from .validate import GRIDS, check_parity, count_cases
+from .validate import GRIDS, Remembered, check_parity, count_cases
 
 
 def _source_checksums(spec: ModelSpec) -> dict[str, Any]:
@@ -195,6 +195,8 @@ def _validated_graph(
     tables = _live_tables(session, model) if live else None
     if tables is not None:  # a live graph (live.py): fed its own tasks' tables for the checks
         session = WithTables(session, tables)
+    if precision in ("int8", "bf16"):  # their gates (and int8's smoothing check) run the fp32 graph on parity's feeds
+        session = Remembered(session)
     cases = count_cases(model, max_seq_len, grid)
     with tqdm(total=cases, desc="validate", unit="case", disable=not step.progress, file=sys.stderr, leave=False) as bar:
         parity = check_parity(session, model, graph_precision, max_seq_len, progress=bar.update, grid=grid)

@@ -3,8 +3,9 @@ lengths, for every task. Every failing output is collected, then one error lists
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,32 @@ class ParityReport:
             "grid": {"kind": self.grid, "batch_sizes": list(BATCH_SIZES), "sequence_lengths": list(SEQ_LENS), "padded": True},
             "reference": "fusionserve PyTorch model (fp32), itself checked against AdapterHub in the test suite",
         }
+
+
+class Remembered:
+    """A session (onnxruntime.InferenceSession, or serving's WithTables) that runs each distinct feed once and answers
+    it again from memory: the int8 and bf16 exports run their fp32 graph over the same grid in the parity check, the
+    smoothing check and the gate. A graph answers the same feed with the same bytes, so what is remembered is what a
+    run would return; the arrays are read-only. Everything else (inputs, outputs, a live graph's tables) is the
+    session's."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self._names = [o.name for o in session.get_outputs()]
+        self._answers: dict[tuple[Any, ...], dict[str, np.ndarray]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.session, name)
+
+    def run(self, names: list[str] | None, feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        key = tuple((k, v.dtype.str, v.shape, v.tobytes()) for k, v in sorted(feed.items()))
+        if key not in self._answers:
+            answers = self.session.run(self._names, dict(feed))
+            for a in answers:
+                a.flags.writeable = False
+            self._answers[key] = dict(zip(self._names, answers, strict=True))
+        got = self._answers[key]
+        return [got[n] for n in (self._names if names is None else names)]
 
 
 def tolerances(precision: str, outputs: tuple[str, ...]) -> dict[str, float | None]:

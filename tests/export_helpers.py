@@ -1,8 +1,9 @@
 """Shared by the export tests (test_export.py, test_export_errors.py, test_backbones*.py): the settings of the tiny
 model's export (the ``exported`` fixture in conftest.py), each backbone's fp32 export made once (``arch_exported``),
-running the command line, and the default int8 export that test_int8.py and test_int8_rowwise.py both check."""
+running the command line, and the default int8 export that test_int8.py and test_int8_rowwise.py check and
+test_int8_serving.py serves."""
 
-import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,18 +34,9 @@ def _cli(capsys, *argv):
     return code, cap.out, cap.err
 
 
-_DEFAULT_INT8: dict[tuple[str, int], tuple[Path, dict[str, Any]]] = {}
-
-
 def default_int8(spec: Path, max_seq_len: int, tmp_path_factory: Any) -> tuple[Path, dict[str, Any]]:
     """``export_artifact(spec, FOLDER, "int8", max_seq_len)`` with the default Int8Options: the folder and (a copy of)
-    the manifest it returned. Once per test process: the int8 test modules that check the default export read the same
-    folder (read only) instead of exporting it again."""
-    from fusionserve.export.artifact import export_artifact
-
-    key = (str(spec), max_seq_len)
-    if key not in _DEFAULT_INT8:
-        folder = tmp_path_factory.mktemp("int8") / "artifact"
-        _DEFAULT_INT8[key] = folder, export_artifact(spec, folder, "int8", max_seq_len=max_seq_len, progress=False)
-    folder, manifest = _DEFAULT_INT8[key]
-    return folder, copy.deepcopy(manifest)
+    the manifest it wrote. Once per test run (tests/made_once.py): the int8 test modules that check or serve the default
+    export read the same folder (read only) instead of exporting it again, whichever worker they run on."""
+    folder = export_once(tmp_path_factory, "int8", spec, precision="int8", max_seq_len=max_seq_len)
+    return folder, json.loads((folder / "manifest.json").read_text())

@@ -20,7 +20,7 @@ from fusionserve.export.build import build_model
 from fusionserve.export.int8.quantize import DEFAULT_OPTIONS, ROLES, Int8Options, backbone_roles, int8_graph, quantizable
 from fusionserve.export.onnx_export import ExportError
 from fusionserve.export.spec import load_spec
-from fusionserve.export.validate import BATCH_SIZES
+from fusionserve.export.validate import BATCH_SIZES, Remembered
 from fusionserve.serving.model.artifact import MODEL_FILE, load_artifact, write_manifest
 from fusionserve.serving.model.predictions import TextInput, softmax
 from fusionserve.serving.model.runtime import OnnxRunner, make_session
@@ -37,7 +37,8 @@ def int8_copy(fp32: Path, spec: Path, out: Path, options: Int8Options = DEFAULT_
     manifest = load_artifact(fp32).manifest
     shutil.copytree(fp32, out)
     model = build_model(load_spec(spec))
-    _, record = int8_graph(out, make_session(out / MODEL_FILE, device="cpu"), model, manifest["max_seq_len"], options, False)
+    fp32_session = Remembered(make_session(out / MODEL_FILE, device="cpu"))  # as the export hands it over
+    _, record = int8_graph(out, fp32_session, model, manifest["max_seq_len"], options, False)
     write_manifest(out, {**manifest, "precision": "int8", "int8": record})
     return out
 

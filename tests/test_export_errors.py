@@ -140,8 +140,8 @@ def test_folder_without_manifest_is_refused(exported, tmp_path, capsys):
 def test_parity_failure_raises_with_every_output_and_writes_nothing(built_st, tmp_path, monkeypatch):
     monkeypatch.setitem(TOLERANCES, "fp32", {"logits": 0.0, "fusion_activations": 0.0})
     out = tmp_path / "artifact"
-    with pytest.raises(ParityError) as exc:
-        export_artifact(built_st.spec, out, max_seq_len=8, progress=False)
+    with pytest.raises(ParityError) as exc:  # one task: what fails is the graph's parity, whatever its tasks
+        export_artifact(built_st.spec, out, max_seq_len=8, progress=False, tasks=["rte"])
     message = str(exc.value)
     for output in ("logits", "fusion_activations"):
         assert f"  {output}: max |diff| " in message and "(tolerance 0) at task " in message
@@ -158,9 +158,9 @@ def test_existing_out_needs_force(built_st, tmp_path):
     with pytest.raises(FusionServeError, match="exists and is not empty; pass --force"):
         export_artifact(built_st.spec, out, progress=False)
     assert (out / "mine.txt").read_text() == "keep me"
-    manifest = export_artifact(built_st.spec, out, max_seq_len=8, force=True, progress=False)
+    manifest = export_artifact(built_st.spec, out, max_seq_len=8, force=True, progress=False, tasks=["rte"])  # one will do
     assert not (out / "mine.txt").exists()
-    assert load_artifact(out).manifest == manifest and manifest["max_seq_len"] == 8
+    assert load_artifact(out).manifest == manifest and manifest["max_seq_len"] == 8 and list(manifest["tasks"]) == ["rte"]
     assert list(tmp_path.iterdir()) == [out]  # no temporary folder left beside it
 
 

@@ -231,7 +231,8 @@ def test_tasks_add_takes_token_level_heads_where_the_export_had_one(bert_heads, 
 
 def test_calibrate_and_prune_a_model_of_every_kind(bert_heads, baked, tmp_path, capsys):
     """The fusion activations of a task do not depend on its head: the tagging, QA and multiple-choice tasks that fuse the
-    classification task's fusion get its statistics; pruning on them exports and serves every kind."""
+    classification task's fusion get its statistics; pruning on them exports and serves every kind (the five fused
+    tasks, one of each kind: the single-adapter tasks have no fusion to prune)."""
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": s}) + "\n" for s in SENTENCES))
     stats = tmp_path / "stats.json"
@@ -243,10 +244,11 @@ def test_calibrate_and_prune_a_model_of_every_kind(bert_heads, baked, tmp_path, 
         assert per_task[t]["mean"] == per_task["label_fused"]["mean"], t
     pruned = tmp_path / "pruned"
     code, _, err = _cli(capsys, "prune", bert_heads.spec, "--stats", stats, "--keep-top", "2", "--out", pruned,
-                          "--max-seq-len", MAX_SEQ_LEN)  # fmt: skip
+                          "--max-seq-len", MAX_SEQ_LEN, "--tasks", *fused)  # fmt: skip
     assert code == 0, err
     m = load_artifact(pruned).manifest
-    assert set(m["pruning"]["tasks"]) == set(fused) and m["tasks"]["tags_fused"]["head"] == "tagging"
+    assert set(m["pruning"]["tasks"]) == set(m["tasks"]) == set(fused)  # the fused task of each kind (--tasks)
+    assert m["tasks"]["tags_fused"]["head"] == "tagging"
     assert m["parity"]["max_abs_diff"]["token_logits"] <= TOL
 
 

@@ -5,10 +5,11 @@ the server is precision-blind and covered by test_serving_e2e.py."""
 import numpy as np
 import pytest
 
-from fusionserve.export.artifact import export_artifact
 from fusionserve.serving.model.predictions import TextInput, softmax
 from fusionserve.serving.model.runtime import OnnxRunner
 from tests.adapterhub_models import PAIRS, SENTENCES
+from tests.export_helpers import default_int8
+from tests.runtime_helpers import MAX_SEQ_LEN
 from tests.serving_helpers import call, serving
 
 pytestmark = pytest.mark.slow
@@ -16,9 +17,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def served(built_st, tmp_path_factory):
-    art = tmp_path_factory.mktemp("int8-serve") / "art"
-    export_artifact(built_st.spec, art, "int8", max_seq_len=16, progress=False)
-    with serving(art, art.parent / "server.log", "--threads", "1") as server:  # returns once the route answers
+    art, _ = default_int8(built_st.spec, MAX_SEQ_LEN, tmp_path_factory)  # test_int8.py's export, made once per run
+    log = tmp_path_factory.mktemp("int8-serve") / "server.log"
+    with serving(art, log, "--threads", "1") as server:  # returns once the route answers
         yield server.url, art
 
 
@@ -37,4 +38,4 @@ def test_int8_artifact_served_over_http_answers_as_in_process(served):
     values = np.asarray(body["fusion_activations"]["values"])  # (inputs, layers, adapters)
     np.testing.assert_allclose(values.sum(-1), 1.0, atol=1e-4)
     status, tasks = call(url + "/v1/tasks")
-    assert status == 200 and tasks["max_seq_len"] == 16
+    assert status == 200 and tasks["max_seq_len"] == MAX_SEQ_LEN
