@@ -122,25 +122,36 @@ def test_reaping_a_stale_run_folder_spares_a_tail_of_its_config(tmp_path):
             proc.wait()
 
 
-# A server whose serving loop gets SIGTERM at the worst moment: the signal is raised (by the hook below) while the main
-# thread holds the lock of a threading.Condition, as it does for a few instructions of every Event.wait; Ray is not
-# started (start and stop stand in), the serving loop and its signal handling are the server's own.
+# A server whose serving loop gets SIGTERM at the worst moment: inside the loop's wait, whatever that wait is. The hooks
+# below raise it while the main thread holds the lock of a threading.Condition (as it does for a few instructions of
+# every Event.wait: the loop's wait when the deadlock was found) or while it sleeps (time.sleep: the loop's wait since),
+# whichever comes first, and say so ("signalled"); Ray is not started (start and stop stand in), the serving loop and
+# its signal handling are the server's own.
 WORST_MOMENT = textwrap.dedent(
     """
-    import os, signal, sys, threading
+    import os, signal, sys, threading, time
     from fusionserve.serving.process import server
 
     serving = []
-    real = threading.Condition._is_owned
+    real, real_sleep = threading.Condition._is_owned, time.sleep
+
+    def signal_once():
+        if serving and len(serving) == 1:
+            serving.append("sent")
+            print("signalled", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _is_owned(self):  # called by Condition.wait with the condition's lock held
         owned = real(self)
-        if serving and len(serving) == 1:
-            serving.append("sent")
-            os.kill(os.getpid(), signal.SIGTERM)
+        signal_once()
         return owned
 
+    def sleep(seconds):  # the signal arrives while the loop sleeps
+        signal_once()
+        real_sleep(seconds)
+
     threading.Condition._is_owned = _is_owned
+    time.sleep = sleep
     server._ray_died = lambda: None
     server.Server.start = lambda self, say, after_ray: serving.append("up") or "http://127.0.0.1:1"
     server.Server.stop = lambda self: print("stopped", flush=True)
@@ -167,6 +178,7 @@ def test_a_signal_while_the_serving_loop_holds_a_lock_stops_the_server(artifact,
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail(f"the server did not stop on SIGTERM: {proc.communicate()[0].decode()[-2000:]}")
+    assert b"signalled" in out, out.decode()[-2000:]  # the hook found the loop's wait: the signal came inside it
     assert proc.returncode == 0, out.decode()[-2000:]
     assert b"shutting down" in out and b"stopped" in out, out.decode()[-2000:]
 
