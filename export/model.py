@@ -225,7 +225,10 @@ class FusionModel(nn.Module):
         if hasattr(self, f"{level}_slot"):  # heads of both levels: the task's place among its level's heads
             rows = getattr(self, f"{level}_slot").index_select(0, rows)
         pick = rows.reshape(1, -1, *([1] * (stacked.dim() - 2))).expand(1, -1, *stacked.shape[2:])  # (1, batch, ...)
-        return stacked.gather(0, pick).squeeze(0)  # (batch, [seq,] width)
+        # [0], not .squeeze(0): the gathered axis is 1 by construction, but the tracer cannot know it and exports squeeze
+        # as an If over that axis's size, whose two branches ONNX Runtime's optimizer shape-infers again in each of
+        # its passes (benchmarks/RESULTS.md, "The optimize step of an export"); [0] is one Gather, the same values
+        return stacked.gather(0, pick)[0]  # (batch, [seq,] width)
 
     def _live_heads(self, level: str, x: torch.Tensor, task_id: torch.Tensor, tables: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Every row through its own task's head of ``level``, from the stacked head tables (one head form per level;
